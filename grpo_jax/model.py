@@ -1,0 +1,304 @@
+"""Decoder-only transformer for the Llama 3 and Qwen2/Qwen2.5 families, in Flax NNX.
+
+One module covers both families: they differ only in QKV bias, tied embeddings and RoPE scaling.
+Weights are laid out per head ([embed, heads, head_dim]) so that tensor parallelism splits heads and
+the Hugging Face conversion is a reshape. Every parameter carries logical axis names; `sharding.py`
+maps them onto a mesh.
+
+The forward pass takes an optional KV cache so that the sampler (prefill + decode) and the learner
+(full sequences) use the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}.
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # master weights
+    remat: bool = False  # recompute each layer in the backward pass
+    architecture: str = "qwen2"  # "qwen2" or "llama": the Hugging Face class written on export
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def validate(self) -> list[str]:
+        """Problems with this config, as 'key=value: reason' strings (empty when valid)."""
+        problems = []
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "max_position_embeddings"):
+            if getattr(self, key) <= 0:
+                problems.append(f"{key}={getattr(self, key)}: must be a positive integer")
+        if self.head_dim < 0:
+            problems.append(f"head_dim={self.head_dim}: must be >= 0 (0 means hidden_size // num_heads)")
+        if self.num_heads > 0 and self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}")
+        if self.head_dim == 0 and self.num_heads > 0 and self.hidden_size % self.num_heads:
+            problems.append(f"num_heads={self.num_heads}: must divide hidden_size={self.hidden_size} "
+                            "(or set head_dim)")
+        if self.resolved_head_dim % 2:
+            problems.append(f"head_dim={self.resolved_head_dim}: must be even for rotary embeddings")
+        if self.rope_theta <= 0:
+            problems.append(f"rope_theta={self.rope_theta}: must be > 0")
+        if self.rms_norm_eps <= 0:
+            problems.append(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
+        for key in ("dtype", "param_dtype"):
+            if getattr(self, key) not in DTYPES:
+                problems.append(f"{key}={getattr(self, key)!r}: allowed {sorted(DTYPES)}")
+        if self.architecture not in ("qwen2", "llama"):
+            problems.append(f"architecture={self.architecture!r}: allowed ['llama', 'qwen2']")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_SCALING_TYPES:
+                problems.append(f"rope_scaling.rope_type={kind!r}: allowed {list(ROPE_SCALING_TYPES)} or null")
+            elif kind == "llama3":
+                missing = {"factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"} - set(self.rope_scaling)
+                if missing:
+                    problems.append(f"rope_scaling={self.rope_scaling}: llama3 scaling needs {sorted(missing)}")
+            elif "factor" not in self.rope_scaling:
+                problems.append(f"rope_scaling={self.rope_scaling}: linear scaling needs 'factor'")
+        return problems
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> jnp.ndarray:
+    """Per-pair rotation frequencies, with Llama-3 or linear scaling applied (as Hugging Face does)."""
+    dim = config.resolved_head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
+    """x: [B, T, heads, D]; positions: [B, T]. Rotate-half convention, as the HF checkpoints expect."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple, dtype, axes: tuple) -> nnx.Param:
+    """A parameter tagged with logical axis names (metadata `axes`); sharding.py maps them to a mesh."""
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+_normal = nnx.initializers.normal(0.02)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.weight = _param(rngs, nnx.initializers.ones, (dim,), param_dtype, ("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, h, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.resolved_head_dim
+        pd = DTYPES[config.param_dtype]
+        self.q = _param(rngs, _normal, (e, h, d), pd, ("embed", "heads", "head_dim"))
+        self.k = _param(rngs, _normal, (e, kv, d), pd, ("embed", "kv_heads", "head_dim"))
+        self.v = _param(rngs, _normal, (e, kv, d), pd, ("embed", "kv_heads", "head_dim"))
+        self.o = _param(rngs, _normal, (h, d, e), pd, ("heads", "head_dim", "embed"))
+        if config.qkv_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = _param(rngs, zeros, (h, d), pd, ("heads", "head_dim"))
+            self.k_bias = _param(rngs, zeros, (kv, d), pd, ("kv_heads", "head_dim"))
+            self.v_bias = _param(rngs, zeros, (kv, d), pd, ("kv_heads", "head_dim"))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.num_groups = h // kv
+        self.scale = d ** -0.5
+
+    def __call__(self, x, positions, mask, inv_freq, cache, write_index):
+        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,S,KV,D] or None (then S == T)."""
+        dtype = x.dtype
+
+        def project(w, b):
+            y = jnp.einsum("bte,ehd->bthd", x, w.value.astype(dtype))
+            return y if b is None else y + b.value.astype(dtype)
+
+        q = apply_rope(project(self.q, self.q_bias), positions, inv_freq)
+        k = apply_rope(project(self.k, self.k_bias), positions, inv_freq)
+        v = project(self.v, self.v_bias)
+        if cache is not None:
+            k_cache, v_cache = cache
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+            cache = (k, v)
+        b, t, h, d = q.shape
+        kv = k.shape[2]
+        q = q.reshape(b, t, kv, self.num_groups, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dtype),
+                            preferred_element_type=jnp.float32) * self.scale
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype)).reshape(b, t, h, d)
+        return jnp.einsum("bthd,hde->bte", out, self.o.value.astype(dtype)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, m = config.hidden_size, config.intermediate_size
+        pd = DTYPES[config.param_dtype]
+        self.gate = _param(rngs, _normal, (e, m), pd, ("embed", "mlp"))
+        self.up = _param(rngs, _normal, (e, m), pd, ("embed", "mlp"))
+        self.down = _param(rngs, _normal, (m, e), pd, ("mlp", "embed"))
+
+    def __call__(self, x):
+        dtype = x.dtype
+        gate = x @ self.gate.value.astype(dtype)
+        up = x @ self.up.value.astype(dtype)
+        return (jax.nn.silu(gate) * up) @ self.down.value.astype(dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[config.param_dtype]
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.attn = Attention(config, rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, positions, mask, inv_freq, cache, write_index):
+        attn_out, cache = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, write_index)
+        x = x + attn_out
+        return x + self.mlp(self.post_attn_norm(x)), cache
+
+
+KVCache = tuple  # per layer: (k, v), each [batch, cache_len, kv_heads, head_dim]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        problems = config.validate()
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+        self.config = config
+        pd = DTYPES[config.param_dtype]
+        self.embed = _param(rngs, _normal, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
+        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(rngs, _normal, (config.hidden_size, config.vocab_size), pd, ("embed", "vocab"))
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.config.dtype]
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        c = self.config
+        shape = (batch, length, c.num_kv_heads, c.resolved_head_dim)
+        return tuple((jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype))
+                     for _ in range(c.num_layers))
+
+    def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0):
+        """Final-normed hidden states [B, T, E] and the updated cache.
+
+        tokens, positions: [B, T] int. key_mask: [B, S] bool, which keys are real tokens (S == T without
+        a cache, else the cache length, with this call's tokens already marked). A query at index t (cache
+        slot write_index + t) sees key slot s when key_mask[b, s] and s <= write_index + t, so left and
+        right padding are both handled by the mask alone.
+        """
+        x = self.embed.value[tokens].astype(self.compute_dtype)
+        t = tokens.shape[1]
+        s = key_mask.shape[1]
+        query_slot = write_index + jnp.arange(t)[:, None]
+        mask = key_mask[:, None, :] & (jnp.arange(s)[None, :] <= query_slot)[None]
+        inv_freq = rope_inverse_frequencies(self.config)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache[i]
+            if self.config.remat:
+                x, layer_cache = nnx.remat(lambda blk, *a: blk(*a))(
+                    layer, x, positions, mask, inv_freq, layer_cache, write_index)
+            else:
+                x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, write_index)
+            new_cache.append(layer_cache)
+        return self.final_norm(x), (None if cache is None else tuple(new_cache))
+
+    def head_weight(self) -> jnp.ndarray:
+        """[E, V] output projection (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed.value.T
+        return self.lm_head.value
+
+    def logits(self, hidden):
+        return jnp.einsum("bte,ev->btv", hidden, self.head_weight().astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions=None, key_mask=None, cache=None, write_index=0):
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if key_mask is None:
+            key_mask = jnp.ones(tokens.shape, bool)
+        hidden, cache = self.hidden_states(tokens, positions, key_mask, cache, write_index)
+        return self.logits(hidden), cache
+
+
+def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(config, nnx.Rngs(params=seed))
+
+
+def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
+    """Position ids for a [B, T] token mask: 0 at each row's first real token, counting real tokens."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def param_dict(model: nnx.Module) -> dict[str, Any]:
+    """Flat {dotted.path: array} view of the parameters (used by conversion and tests)."""
+    flat = nnx.state(model, nnx.Param).flat_state()
+    return {".".join(str(k) for k in path): v.value for path, v in flat}
