@@ -136,7 +136,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * normed.astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -158,30 +158,34 @@ class Attention(nnx.Module):
         self.scale = d ** -0.5
 
     def __call__(self, x, positions, mask, inv_freq, cache, write_index):
-        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,S,KV,D] or None (then S == T)."""
+        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,KV,S,D] or None (then S == T)."""
         dtype = x.dtype
 
         def project(w, b):
-            y = jnp.einsum("bte,ehd->bthd", x, w.value.astype(dtype))
-            return y if b is None else y + b.value.astype(dtype)
+            y = jnp.einsum("bte,ehd->bthd", x, w[...].astype(dtype))
+            return y if b is None else y + b[...].astype(dtype)
 
         q = apply_rope(project(self.q, self.q_bias), positions, inv_freq)
         k = apply_rope(project(self.k, self.k_bias), positions, inv_freq)
         v = project(self.v, self.v_bias)
+        # Keys/values as [B, KV, S, D]: batch dims leading, so the attention dots read the cache in place
+        # (a [B, S, KV, D] cache made XLA transpose all of it every decode step).
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
         if cache is not None:
             k_cache, v_cache = cache
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, write_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, write_index, 0, 0))
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
             cache = (k, v)
         b, t, h, d = q.shape
-        kv = k.shape[2]
+        kv = k.shape[1]
         q = q.reshape(b, t, kv, self.num_groups, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dtype),
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(dtype),
                             preferred_element_type=jnp.float32) * self.scale
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype)).reshape(b, t, h, d)
-        return jnp.einsum("bthd,hde->bte", out, self.o.value.astype(dtype)), cache
+        # Output in dot order (bkgtd), then transpose: asking XLA for btkgd directly picked a slow dot.
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dtype)).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+        return jnp.einsum("bthd,hde->bte", out, self.o[...].astype(dtype)), cache
 
 
 class MLP(nnx.Module):
@@ -194,9 +198,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dtype = x.dtype
-        gate = x @ self.gate.value.astype(dtype)
-        up = x @ self.up.value.astype(dtype)
-        return (jax.nn.silu(gate) * up) @ self.down.value.astype(dtype)
+        gate = x @ self.gate[...].astype(dtype)
+        up = x @ self.up[...].astype(dtype)
+        return (jax.nn.silu(gate) * up) @ self.down[...].astype(dtype)
 
 
 class Block(nnx.Module):
@@ -213,7 +217,7 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x)), cache
 
 
-KVCache = tuple  # per layer: (k, v), each [batch, cache_len, kv_heads, head_dim]
+KVCache = tuple  # per layer: (k, v), each [batch, kv_heads, cache_len, head_dim]
 
 
 class Transformer(nnx.Module):
@@ -237,7 +241,7 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         c = self.config
-        shape = (batch, length, c.num_kv_heads, c.resolved_head_dim)
+        shape = (batch, c.num_kv_heads, length, c.resolved_head_dim)
         return tuple((jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype))
                      for _ in range(c.num_layers))
 
@@ -249,7 +253,7 @@ class Transformer(nnx.Module):
         slot write_index + t) sees key slot s when key_mask[b, s] and s <= write_index + t, so left and
         right padding are both handled by the mask alone.
         """
-        x = self.embed.value[tokens].astype(self.compute_dtype)
+        x = self.embed[tokens].astype(self.compute_dtype)
         t = tokens.shape[1]
         s = key_mask.shape[1]
         query_slot = write_index + jnp.arange(t)[:, None]
@@ -269,8 +273,8 @@ class Transformer(nnx.Module):
     def head_weight(self) -> jnp.ndarray:
         """[E, V] output projection (the transposed embedding when tied)."""
         if self.lm_head is None:
-            return self.embed.value.T
-        return self.lm_head.value
+            return self.embed[...].T
+        return self.lm_head[...]
 
     def logits(self, hidden):
         return jnp.einsum("bte,ev->btv", hidden, self.head_weight().astype(hidden.dtype),
@@ -301,4 +305,4 @@ def count_params(model: nnx.Module) -> int:
 def param_dict(model: nnx.Module) -> dict[str, Any]:
     """Flat {dotted.path: array} view of the parameters (used by conversion and tests)."""
     flat = nnx.state(model, nnx.Param).flat_state()
-    return {".".join(str(k) for k in path): v.value for path, v in flat}
+    return {".".join(str(k) for k in path): v.get_value() for path, v in flat}

@@ -1,0 +1,96 @@
+"""Group-relative advantages for GRPO and its variants.
+
+Rewards come shaped [num_groups, G]: row g holds the G completions sampled for one prompt. All
+functions except `filter_zero_variance` are pure jnp (jit-able; numpy input is fine). An optional
+`valid` mask [num_groups, G] leaves out samples whose reward failed: they neither enter the group
+statistics nor receive an advantage.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+BASELINES = ("mean", "leave_one_out")
+
+
+def group_advantages(rewards, valid=None, baseline: str = "mean", scale_by_std: bool = True,
+                     std_ddof: int = 1, eps: float = 1e-6):
+    """Per-sample advantages [num_groups, G] and a zero-variance mask [num_groups] (bool).
+
+    baseline:
+      "mean"           A_i = r_i - mean(r)                       (GRPO)
+      "leave_one_out"  A_i = r_i - mean_{j != i}(r_j)            (RLOO; = G/(G-1) * (r_i - mean(r)))
+    scale_by_std: divide by (std(r) + eps), as in GRPO; False gives Dr. GRPO's unscaled advantages.
+    std_ddof: 1 (default) is the unbiased sample std, matching torch.std in the reference GRPO
+      implementations (TRL); 0 is the population std. Counts are clamped so tiny groups never divide
+      by zero.
+
+    A group is zero-variance when all its valid rewards are exactly equal (or it has fewer than two
+    valid samples): it carries no learning signal and its advantages are exactly 0 (not rounding
+    noise divided by eps).
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline={baseline!r}: allowed {', '.join(BASELINES)}")
+    r = jnp.asarray(rewards)
+    r = r.astype(jnp.result_type(r.dtype, jnp.float32))
+    v = jnp.ones(r.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    r = jnp.where(v, r, 0.0)
+    n = v.sum(axis=1, keepdims=True).astype(r.dtype)
+    mean = r.sum(axis=1, keepdims=True) / jnp.maximum(n, 1.0)
+    if baseline == "mean":
+        adv = r - mean
+    else:
+        others = (r.sum(axis=1, keepdims=True) - r) / jnp.maximum(n - 1.0, 1.0)
+        adv = r - others
+    if scale_by_std:
+        var = (jnp.where(v, r - mean, 0.0) ** 2).sum(axis=1, keepdims=True) / jnp.maximum(n - std_ddof, 1.0)
+        adv = adv / (jnp.sqrt(var) + eps)
+    big = jnp.finfo(r.dtype).max
+    hi = jnp.where(v, r, -big).max(axis=1)
+    lo = jnp.where(v, r, big).min(axis=1)
+    zero_var = (hi <= lo) | (n[:, 0] < 2)
+    adv = jnp.where(v & ~zero_var[:, None], adv, 0.0)
+    return adv, zero_var
+
+
+def filter_zero_variance(rewards, valid=None):
+    """DAPO dynamic sampling, host side: (keep [K] int indices of groups with signal, dropped
+    [num_groups] bool). The trainer keeps sampling until it has enough kept groups."""
+    r = np.asarray(rewards, np.float64)
+    v = np.ones(r.shape, bool) if valid is None else np.asarray(valid, bool)
+    hi = np.where(v, r, -np.inf).max(axis=1)
+    lo = np.where(v, r, np.inf).min(axis=1)
+    dropped = (hi <= lo) | (v.sum(axis=1) < 2)
+    return np.flatnonzero(~dropped), dropped
+
+
+def _masked_moments(x, m):
+    n = jnp.maximum(m.sum(), 1)
+    mean = jnp.where(m, x, 0.0).sum() / n
+    std = jnp.sqrt(jnp.where(m, (x - mean) ** 2, 0.0).sum() / n)
+    big = jnp.finfo(x.dtype).max
+    any_ = m.any()
+    return {
+        "mean": mean,
+        "std": std,
+        "min": jnp.where(any_, jnp.where(m, x, big).min(), 0.0),
+        "max": jnp.where(any_, jnp.where(m, x, -big).max(), 0.0),
+    }
+
+
+def advantage_stats(rewards, advantages, zero_var, valid=None) -> dict:
+    """Scalar metrics (jnp) over valid samples: reward/*, advantage/* (mean, std, min, max),
+    frac_zero_var_groups, and reward/group_std_mean (mean within-group population std)."""
+    r = jnp.asarray(rewards)
+    r = r.astype(jnp.result_type(r.dtype, jnp.float32))
+    a = jnp.asarray(advantages, r.dtype)
+    v = jnp.ones(r.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    out = {f"reward/{k}": x for k, x in _masked_moments(r, v).items()}
+    out |= {f"advantage/{k}": x for k, x in _masked_moments(a, v).items()}
+    n = jnp.maximum(v.sum(axis=1), 1)
+    gmean = jnp.where(v, r, 0.0).sum(axis=1) / n
+    gstd = jnp.sqrt(jnp.where(v, (r - gmean[:, None]) ** 2, 0.0).sum(axis=1) / n)
+    out["reward/group_std_mean"] = gstd.mean()
+    out["frac_zero_var_groups"] = jnp.asarray(zero_var, r.dtype).mean()
+    return out

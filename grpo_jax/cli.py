@@ -1,0 +1,167 @@
+"""The `grpo-jax` command line.
+
+Errors a user can fix (bad config, bad checkpoint, bad prompt file) print one line and exit with code 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from grpo_jax.config_io import ConfigError
+from grpo_jax.errors import CheckpointError
+
+EXIT_USER_ERROR = 2
+
+
+class UsageError(ValueError):
+    """Bad command-line input (a missing file, an empty prompt file, ...)."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, UsageError)
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line (blank lines skipped), or a .jsonl file with a "prompt" field per row."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise UsageError(f"prompt file {file} does not exist")
+    prompts = []
+    for line_number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{file}:{line_number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise UsageError(f"{file}:{line_number}: expected an object with a non-empty string 'prompt'")
+            prompts.append(row["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise UsageError(f"prompt file {file} holds no prompts")
+    return prompts
+
+
+def cmd_init_model(args) -> None:
+    """Build a model from a config's `model` section with random weights and save it in HF layout."""
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import load_config
+    from grpo_jax.hf import save_hf_model
+    from grpo_jax.model import count_params, create_model
+    from grpo_jax.tokenizer import Tokenizer
+
+    config = load_config(Config, args.config, args.overrides)
+    tokenizer = Tokenizer.byte_level() if config.tokenizer in ("", "byte") else Tokenizer.from_dir(config.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size}: must be at least the tokenizer's "
+                          f"vocabulary size {tokenizer.vocab_size}")
+    model = create_model(config.model, seed=config.seed)
+    save_hf_model(model, args.out, tokenizer=tokenizer)
+    print(f"wrote a random {count_params(model):,}-parameter {config.model.architecture} model to {args.out}")
+
+
+def cmd_generate(args) -> None:
+    import jax
+
+    from grpo_jax.hf import load_hf_model
+    from grpo_jax.sampler import Sampler, SamplerConfig
+
+    sampler_config = SamplerConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len)
+    problems = sampler_config.validate()
+    if problems:
+        raise UsageError("; ".join(problems))
+    if args.batch_size <= 0:
+        raise UsageError(f"--batch-size={args.batch_size}: must be positive")
+    texts = read_prompts(args.prompts)
+    model, tokenizer = load_hf_model(args.model, dtype=args.dtype)
+    if tokenizer is None:
+        raise CheckpointError(f"{args.model}: no tokenizer.json, so prompts cannot be tokenized")
+    if args.chat:
+        texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    else:
+        texts_in = texts
+    prompts = [tokenizer.encode(t) for t in texts_in]
+    for i, ids in enumerate(prompts):
+        if len(ids) > args.max_prompt_len:
+            raise UsageError(f"prompt {i} is {len(ids)} tokens long, over the limit --max-prompt-len="
+                             f"{args.max_prompt_len}")
+        if not ids:
+            raise UsageError(f"prompt {i} encodes to no tokens")
+    sampler = Sampler(model, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=sampler_config)
+    # One key per prompt, from the seed and the prompt's index: results do not depend on batching.
+    base = jax.random.key(args.seed)
+    out = open(args.output, "w", encoding="utf-8") if args.output else None
+    generated = 0
+    start = time.perf_counter()
+    try:
+        for first in range(0, len(prompts), args.batch_size):
+            chunk = prompts[first:first + args.batch_size]
+            keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jax.numpy.arange(first, first + len(chunk)))
+            result = sampler.generate(chunk, keys)
+            for row in range(len(chunk)):
+                index = first + row
+                length = int(result.lengths[row])
+                ids = [int(t) for t in result.tokens[row, :length]]
+                completion = tokenizer.decode(ids)
+                generated += length
+                print(f"### {index}: {texts[index]}\n{completion}\n", flush=True)
+                if out:
+                    out.write(json.dumps({
+                        "prompt": texts[index], "completion": completion, "completion_ids": ids,
+                        "logprobs": [float(x) for x in result.logprobs[row, :length]],
+                        "finish_reason": result.finish_reasons[row]}) + "\n")
+    finally:
+        if out:
+            out.close()
+    elapsed = time.perf_counter() - start
+    print(f"generated {generated} tokens for {len(prompts)} prompts in {elapsed:.1f}s "
+          f"({generated / max(elapsed, 1e-9):.0f} tokens/s, compilation included)", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-jax", description="Asynchronous GRPO in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    init = sub.add_parser("init-model", help="write a randomly initialised model (HF layout) from a config")
+    init.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    init.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=4")
+    init.add_argument("--out", required=True, help="directory to write config.json, model.safetensors, tokenizer")
+    init.set_defaults(func=cmd_init_model)
+
+    gen = sub.add_parser("generate", help="sample completions for a file of prompts")
+    gen.add_argument("--model", required=True, help="a Hugging Face model directory")
+    gen.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl with 'prompt')")
+    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--batch-size", type=int, default=64)
+    gen.add_argument("--max-prompt-len", type=int, default=1024)
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except USER_ERRORS as e:
+        print(f"grpo-jax: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""Hugging Face checkpoints (Qwen2ForCausalLM, LlamaForCausalLM) <-> our Transformer, without torch.
+
+A checkpoint directory holds config.json, model.safetensors or model.safetensors.index.json + shards, and
+optionally tokenizer files. Loading validates everything (config, every tensor's presence, shape and dtype,
+no unknown tensors) before any array is built, so a bad checkpoint fails with one message naming the file
+and tensor instead of a half-loaded model.
+
+Layout: a torch Linear weight is [out, in]; ours are [in, heads, head_dim] (q/k/v), [heads, head_dim, out] (o)
+and [in, out] (mlp, lm_head), so each conversion is a transpose plus a reshape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.errors import CheckpointError
+from grpo_jax.model import DTYPES, ModelConfig, Transformer, param_dict
+from grpo_jax.safetensors_io import SafetensorsFile, save_file
+from grpo_jax.tokenizer import Tokenizer
+
+__all__ = ["CheckpointError", "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model",
+           "save_hf_model"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
+# Old checkpoints store the rotary table; it is recomputed from the config, so ignoring it is safe.
+_HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+# Default max_position_embeddings of each family in transformers, used when config.json omits it.
+_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048}
+_FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
+
+
+# ---- config -------------------------------------------------------------------------------------------
+
+
+def _rope_from_hf(cfg: dict, where: str, max_pos: int) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
+    # transformers 5 gives rope_scaling priority over rope_parameters when both are present.
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{where}: rope_parameters/rope_scaling must be an object, got {rope!r}")
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        # Nested per layer type ({"full_attention": {...}}): fine only when every layer type agrees.
+        distinct = {json.dumps(v, sort_keys=True) for v in rope.values()}
+        if len(distinct) > 1:
+            raise CheckpointError(f"{where}: per-layer-type RoPE parameters differ ({rope}); not supported")
+        rope = next(iter(rope.values()))
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"rope_type": "linear", "factor": float(rope["factor"])}
+    if kind == "llama3":
+        try:
+            return theta, {"rope_type": "llama3", "factor": float(rope["factor"]),
+                           "low_freq_factor": float(rope["low_freq_factor"]),
+                           "high_freq_factor": float(rope["high_freq_factor"]),
+                           # transformers falls back to max_position_embeddings too
+                           "original_max_position_embeddings":
+                               int(rope.get("original_max_position_embeddings", max_pos))}
+        except KeyError as e:
+            raise CheckpointError(f"{where}: llama3 rope scaling lacks {e.args[0]!r}") from e
+    raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def hf_config_to_model_config(cfg: dict, path_for_errors: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
+    """ModelConfig from a transformers config.json dict. dtype/param_dtype come from its dtype/torch_dtype."""
+    where = str(path_for_errors)
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if family is None and not archs and model_type in _HF_CLASS:
+        family = model_type
+    if family is None:
+        supported = ", ".join(f"{a} (model_type {f})" for a, f in ARCHITECTURES.items())
+        raise CheckpointError(f"{where}: unsupported architecture {archs or model_type!r} "
+                              f"(model_type {model_type!r}); supported: {supported}")
+
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(cfg.get(key), int):
+            raise CheckpointError(f"{where}: {key} must be an integer, got {cfg.get(key)!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
+    if family == "llama" and cfg.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=true is not supported")
+
+    max_pos = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POS[family]
+    theta, scaling = _rope_from_hf(cfg, where, max_pos)
+    # float16 is not a compute dtype here; widening it to float32 is exact.
+    dtype = {"bfloat16": "bfloat16"}.get(cfg.get("dtype") or cfg.get("torch_dtype"), "float32")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or 0
+    if heads > 0 and head_dim * heads == cfg["hidden_size"]:
+        head_dim = 0  # the implied value: keep ModelConfig canonical so configs round-trip equal
+    model_cfg = ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        # Qwen2 always has q/k/v biases; Llama has them (plus an o_proj bias) with attention_bias.
+        qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family)
+    problems = model_cfg.validate()
+    if problems:
+        raise CheckpointError(f"{where}: invalid model config: " + "; ".join(problems))
+    return model_cfg
+
+
+def model_config_to_hf_config(cfg: ModelConfig) -> dict:
+    """config.json contents for transformers (4.45+ and 5). Rope is written both the old way (rope_theta +
+    rope_scaling, read by transformers 4) and the new way (rope_parameters, read by transformers 5)."""
+    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope_parameters = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+        rope_parameters["rope_type"] = rope_parameters.pop("type", None) or rope_parameters["rope_type"]
+    out = {
+        "architectures": [_HF_CLASS[cfg.architecture]],
+        "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None
+        else {k: v for k, v in rope_parameters.items() if k != "rope_theta"},
+        "rope_parameters": rope_parameters,
+        "torch_dtype": cfg.param_dtype,  # transformers 4
+        "dtype": cfg.param_dtype,  # transformers 5
+        "use_cache": True,
+    }
+    if cfg.architecture == "qwen2":
+        out["use_sliding_window"] = False
+        out["sliding_window"] = None
+    else:
+        out["attention_bias"] = cfg.qkv_bias
+        out["mlp_bias"] = False
+    return out
+
+
+# ---- tensor layout ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    hf_name: str
+    ours: str | None  # dotted param path; None: a tensor we do not have, which must be all zeros
+    hf_shape: tuple[int, ...]
+    kind: str  # "copy", "linear" (transpose), "in_heads" (q/k/v), "out_heads" (o), "bias_heads", "zero"
+
+
+def _layout(cfg: ModelConfig) -> list[_Entry]:
+    """Every tensor of the HF checkpoint of this config, and where it goes in our model."""
+    e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    # Qwen2 always stores q/k/v biases: zeros when our model has none. Llama's attention_bias also adds
+    # an o_proj bias we do not model, so it must be zero.
+    bias_kind = "bias_heads" if cfg.qkv_bias else "zero"
+    out = [_Entry("model.embed_tokens.weight", "embed", (v, e), "copy"),
+           _Entry("model.norm.weight", "final_norm.weight", (e,), "copy")]
+    if not cfg.tie_embeddings:
+        out.append(_Entry("lm_head.weight", "lm_head", (v, e), "linear"))
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        out += [
+            _Entry(p + "input_layernorm.weight", a + "input_norm.weight", (e,), "copy"),
+            _Entry(p + "post_attention_layernorm.weight", a + "post_attn_norm.weight", (e,), "copy"),
+            _Entry(p + "self_attn.q_proj.weight", a + "attn.q", (h * d, e), "in_heads"),
+            _Entry(p + "self_attn.k_proj.weight", a + "attn.k", (kv * d, e), "in_heads"),
+            _Entry(p + "self_attn.v_proj.weight", a + "attn.v", (kv * d, e), "in_heads"),
+            _Entry(p + "self_attn.o_proj.weight", a + "attn.o", (e, h * d), "out_heads"),
+            _Entry(p + "mlp.gate_proj.weight", a + "mlp.gate", (m, e), "linear"),
+            _Entry(p + "mlp.up_proj.weight", a + "mlp.up", (m, e), "linear"),
+            _Entry(p + "mlp.down_proj.weight", a + "mlp.down", (e, m), "linear"),
+        ]
+        if cfg.architecture == "qwen2" or cfg.qkv_bias:
+            for name, heads in (("q", h), ("k", kv), ("v", kv)):
+                ours = a + f"attn.{name}_bias" if cfg.qkv_bias else None
+                out.append(_Entry(p + f"self_attn.{name}_proj.bias", ours, (heads * d,), bias_kind))
+        if cfg.architecture == "llama" and cfg.qkv_bias:
+            out.append(_Entry(p + "self_attn.o_proj.bias", None, (e,), "zero"))
+    return out
+
+
+def _to_ours(entry: _Entry, array: np.ndarray, our_shape: tuple[int, ...]) -> np.ndarray:
+    if entry.kind in ("linear", "in_heads", "out_heads"):
+        return array.T.reshape(our_shape)  # [out, in] -> [in, out] -> split heads
+    return array.reshape(our_shape)
+
+
+def _to_hf(entry: _Entry, array: np.ndarray) -> np.ndarray:
+    if entry.kind == "in_heads":  # [E, H, D] -> [H*D, E]
+        return array.reshape(array.shape[0], -1).T
+    if entry.kind == "out_heads":  # [H, D, E] -> [H*D, E] -> [E, H*D]
+        return array.reshape(-1, array.shape[-1]).T
+    if entry.kind == "linear":
+        return array.T
+    return array.reshape(entry.hf_shape)
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+
+
+def _read_config(path: Path) -> dict:
+    file = path / CONFIG_FILE
+    if not file.exists():
+        raise CheckpointError(f"{file}: not found (is {path} a Hugging Face model directory?)")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot parse JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return cfg
+
+
+def _open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], str]:
+    """{tensor name: opened file holding it}, and a description of the files searched (for errors)."""
+    index_file, single = path / INDEX_FILE, path / WEIGHTS_FILE
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                raise TypeError("weight_map must map tensor names to file names")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_file}: bad index ({type(e).__name__}: {e})") from e
+        shards = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).exists():
+                raise CheckpointError(f"{path / shard}: shard listed in {index_file} not found")
+            shards[shard] = SafetensorsFile(path / shard)
+        where = {}
+        for shard, f in shards.items():
+            for name in f.keys():
+                where.setdefault(name, f)
+        for name, shard in weight_map.items():
+            if name not in shards[shard]:
+                raise CheckpointError(f"{path / shard}: tensor {name!r} listed in {index_file} is not in this shard")
+            where[name] = shards[shard]
+        return where, f"{index_file} and its {len(shards)} shard(s)"
+    if single.exists():
+        f = SafetensorsFile(single)
+        return {name: f for name in f.keys()}, str(single)
+    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+    hint = f" (found {others}: only safetensors checkpoints are supported)" if others else ""
+    raise CheckpointError(f"{path}: no weights: neither {WEIGHTS_FILE} nor {INDEX_FILE} found{hint}")
+
+
+def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched: str) -> list[str]:
+    """Every problem with the checkpoint's tensors, as messages naming file and tensor."""
+    layout = _layout(cfg)
+    problems = []
+    for entry in layout:
+        f = files.get(entry.hf_name)
+        if f is None:
+            problems.append(f"tensor {entry.hf_name!r} is missing (searched {searched})")
+            continue
+        info = f.tensors[entry.hf_name]
+        if info.shape != entry.hf_shape:
+            problems.append(f"{f.path}: tensor {entry.hf_name!r} has shape {list(info.shape)}, but "
+                            f"config.json implies {list(entry.hf_shape)}")
+        elif info.dtype not in _FLOAT_DTYPES and info.dtype.name != "bfloat16":
+            problems.append(f"{f.path}: tensor {entry.hf_name!r} has dtype {info.dtype}, expected a float type")
+        elif entry.kind == "zero" and np.any(f.get(entry.hf_name)):
+            problems.append(f"{f.path}: tensor {entry.hf_name!r} is nonzero, but this model has no such "
+                            "parameter (only all-zero values can be dropped exactly)")
+    known = {entry.hf_name for entry in layout}
+    for name in sorted(set(files) - known):
+        if _HARMLESS.match(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_embeddings and "model.embed_tokens.weight" in files:
+            # Some tied checkpoints store the head anyway; harmless only if it really is the embedding.
+            head, embed = files[name].get(name), files["model.embed_tokens.weight"].get("model.embed_tokens.weight")
+            if head.shape == embed.shape and np.array_equal(head, embed):
+                continue
+            problems.append(f"{files[name].path}: tensor 'lm_head.weight' differs from the embedding, but "
+                            "config.json says tie_word_embeddings=true")
+            continue
+        problems.append(f"{files[name].path}: unexpected tensor {name!r} (not part of a {cfg.architecture} "
+                        "model with this config.json)")
+    return problems
+
+
+def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype: str | None = None,
+                  mesh=None, rules: dict | None = None) -> tuple[Transformer, Tokenizer | None]:
+    """Load a Qwen2/Llama safetensors checkpoint directory; the tokenizer too when tokenizer.json exists.
+
+    dtype / param_dtype default to the checkpoint's dtype (bfloat16 stays bfloat16, anything else float32).
+    With a jax Mesh, each parameter goes straight to its sharded layout (sharding.spec_for with `rules`,
+    default sharding.DEFAULT_RULES), so no single device ever holds the whole model.
+    Raises CheckpointError, naming file and tensor, for anything unusable; nothing is built before all
+    checks pass.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    cfg = hf_config_to_model_config(_read_config(path), path / CONFIG_FILE)
+    for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"{name}={value!r}: allowed {sorted(DTYPES)}")
+    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, param_dtype=param_dtype or cfg.param_dtype)
+
+    files, searched = _open_weights(path)
+    problems = _check_tensors(cfg, files, searched)
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise CheckpointError(f"{path}: checkpoint does not match {path / CONFIG_FILE}:\n  " + "\n  ".join(shown))
+
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        tokenizer = Tokenizer.from_dir(path)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens, more "
+                                  f"than the model's vocab_size {cfg.vocab_size} in {path / CONFIG_FILE}")
+
+    # Build an abstract model (shapes only, no random init) and fill each parameter from the checkpoint.
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    by_name = {e.ours: e for e in _layout(cfg) if e.ours is not None}
+    target = np.dtype(DTYPES[cfg.param_dtype])
+    if mesh is not None:
+        from grpo_jax.sharding import DEFAULT_RULES, spec_for
+        rules = DEFAULT_RULES if rules is None else rules
+    for path_tuple, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        name = ".".join(str(k) for k in path_tuple)
+        entry = by_name[name]
+        shape = var.get_value().shape
+        # One host copy per tensor (transpose + dtype cast), then straight to its device(s).
+        array = _to_ours(entry, files[entry.hf_name].get(entry.hf_name), shape).astype(target)
+        if mesh is None:
+            var.set_value(jnp.asarray(array))
+        else:
+            spec = spec_for(var.get_metadata()["axes"], shape, mesh, rules)
+            var.set_value(jax.device_put(array, jax.sharding.NamedSharding(mesh, spec)))
+    return model, tokenizer
+
+
+# ---- saving -------------------------------------------------------------------------------------------
+
+
+def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
+                  max_shard_bytes: int | None = None) -> None:
+    """Write a checkpoint that transformers' AutoModelForCausalLM.from_pretrained (and load_hf_model) reads.
+
+    Weights are written in the model's param_dtype; with max_shard_bytes they are split into
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json (a single shard is written as
+    model.safetensors). Old weight files in the directory are removed first so they cannot be mixed in.
+    """
+    cfg = model.config
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+
+    params = param_dict(model)
+    itemsize = np.dtype(DTYPES[cfg.param_dtype]).itemsize
+    layout = _layout(cfg)
+    shards, current, current_bytes = [], [], 0
+    for entry in layout:  # greedy packing in layout order; a tensor bigger than the limit gets its own shard
+        nbytes = int(np.prod(entry.hf_shape)) * itemsize
+        if max_shard_bytes and current and current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(entry)
+        current_bytes += nbytes
+    shards.append(current)
+
+    def hf_array(entry: _Entry) -> np.ndarray:
+        if entry.ours is None:
+            return np.zeros(entry.hf_shape, DTYPES[cfg.param_dtype])
+        # device_get one tensor at a time so host memory holds one shard, not the whole model twice.
+        return _to_hf(entry, np.asarray(jax.device_get(params[entry.ours])))
+
+    names = [WEIGHTS_FILE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file_name, entries in zip(names, shards):
+        tensors = {e.hf_name: hf_array(e) for e in entries}
+        save_file(tensors, path / file_name)
+        for e in entries:
+            weight_map[e.hf_name] = file_name
+            total += tensors[e.hf_name].nbytes
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+    hf_cfg = model_config_to_hf_config(cfg)
+    generation = {}
+    if tokenizer is not None:
+        tokenizer.save(path)
+        eos = list(tokenizer.eos_ids)
+        try:
+            pad = tokenizer.pad_id
+        except ValueError:  # neither pad nor eos: leave pad_token_id unset
+            pad = None
+        generation = {"eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+                      "pad_token_id": pad, "bos_token_id": tokenizer.bos_id}
+        generation = {k: v for k, v in generation.items() if v is not None}
+        hf_cfg.update(generation)
+    (path / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n", encoding="utf-8")
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,221 @@
+"""Policy losses: GRPO (token-level clipped surrogate, with DAPO clip-higher, dual clip, Dr. GRPO
+aggregation) and GSPO (sequence-level ratio), plus an optional KL penalty and truncated importance
+sampling (TIS) for the sampler/learner mismatch.
+
+Three kinds of log-probs of the sampled completion tokens, all [B, T]:
+  logprobs            learner, current weights (the only input with a gradient)
+  old_logprobs        learner, the weights that generated the batch (in async GRPO, computed by the
+                      learner at train time; ratio = exp(logprobs - old_logprobs))
+  behaviour_logprobs  the sampler's own log-probs at generation (may differ from old_logprobs through
+                      numerics, quantisation or kernels); TIS weight = exp(old - behaviour)
+
+`mask` [B, T] marks completion tokens (1) versus padding (0). Padding may hold any values, even
+inf/NaN: it is excluded from the loss, its gradient and every metric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+LOSS_TYPES = ("grpo", "gspo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("off", "truncate", "mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hashable, so it can be a static argument of jax.jit.
+
+    loss_type: "grpo" clips the per-token ratio with clip_low/clip_high; "gspo" clips the sequence
+      ratio exp(mean_t log-ratio) with the much tighter gspo_clip_low/gspo_clip_high.
+    clip_low, clip_high: GRPO clip range [1 - clip_low, 1 + clip_high]; DAPO clip-higher: 0.28.
+    dual_clip: c > 1 or None; for negative advantages the per-token loss is capped at c * |A|.
+    aggregation: how per-token losses become a scalar (padding never counts):
+      "token_mean"               sum over all tokens / number of tokens (DAPO)
+      "seq_mean_token_mean"      mean over sequences of each sequence's token mean (GRPO, GSPO)
+      "seq_mean_token_sum_norm"  mean over sequences of token sum / max_completion_len (Dr. GRPO)
+    kl_coef, kl_estimator: adds kl_coef * KL(pi || ref) per token, aggregated the same way;
+      k1 = logp - logref, k2 = (logp - logref)^2 / 2, k3 = exp(logref - logp) - (logref - logp) - 1.
+    tis, tis_cap: "truncate" weights each token's policy loss by min(exp(old - behaviour), tis_cap);
+      "mask" uses the weight but zeroes tokens whose weight exceeds tis_cap. The weight is a
+      constant (no gradient) and multiplies the policy term only, not the KL term.
+    """
+
+    loss_type: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    aggregation: str = "token_mean"
+    max_completion_len: int = 0  # required for "seq_mean_token_sum_norm"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    tis: str = "off"
+    tis_cap: float = 2.0
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether ref_logprobs (a reference-model forward pass) is needed."""
+        return self.kl_coef != 0.0
+
+    def validate(self) -> list[str]:
+        """Problems with this config, as 'key=value: allowed ...' strings (empty when valid)."""
+        p = []
+        for key, allowed in (("loss_type", LOSS_TYPES), ("aggregation", AGGREGATIONS),
+                             ("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES)):
+            if getattr(self, key) not in allowed:
+                p.append(f"{key}={getattr(self, key)!r}: allowed {', '.join(allowed)}")
+        for key in ("clip_low", "gspo_clip_low"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                p.append(f"{key}={getattr(self, key)}: allowed 0 <= {key} < 1")
+        for key in ("clip_high", "gspo_clip_high", "kl_coef"):
+            if not getattr(self, key) >= 0.0:
+                p.append(f"{key}={getattr(self, key)}: allowed >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            p.append(f"dual_clip={self.dual_clip}: allowed None or a value > 1")
+        if not self.tis_cap > 0.0:
+            p.append(f"tis_cap={self.tis_cap}: allowed > 0")
+        if self.aggregation == "seq_mean_token_sum_norm" and not self.max_completion_len > 0:
+            p.append(f"max_completion_len={self.max_completion_len}: allowed > 0 "
+                     "(required by aggregation='seq_mean_token_sum_norm')")
+        return p
+
+
+def kl_per_token(logprobs, ref_logprobs, estimator: str):
+    """Per-token estimate of KL(pi || ref) from samples of pi, [B, T]."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return jnp.exp(-d) + d - 1.0
+    raise ValueError(f"kl_estimator={estimator!r}: allowed {', '.join(KL_ESTIMATORS)}")
+
+
+def aggregate(per_token, mask, aggregation: str, max_completion_len: int = 0):
+    """Scalar from per-token values [B, T] under a float mask [B, T]; see LossConfig.aggregation.
+    Sequences with no tokens (padding rows) count in no denominator."""
+    x = jnp.where(mask > 0, per_token, 0.0) * mask
+    tokens = mask.sum(axis=1)
+    num_seqs = jnp.maximum((tokens > 0).sum(), 1)
+    if aggregation == "token_mean":
+        return x.sum() / jnp.maximum(tokens.sum(), 1.0)
+    if aggregation == "seq_mean_token_mean":
+        return (x.sum(axis=1) / jnp.maximum(tokens, 1.0)).sum() / num_seqs
+    if aggregation == "seq_mean_token_sum_norm":
+        if not max_completion_len > 0:
+            raise ValueError("aggregation='seq_mean_token_sum_norm' needs max_completion_len > 0")
+        return (x.sum(axis=1) / max_completion_len).sum() / num_seqs
+    raise ValueError(f"aggregation={aggregation!r}: allowed {', '.join(AGGREGATIONS)}")
+
+
+def _masked_mean(x, m):
+    return jnp.where(m, x, 0.0).sum() / jnp.maximum(m.sum(), 1)
+
+
+def _masked_max(x, m):
+    return jnp.where(m.any(), jnp.where(m, x, -jnp.inf).max(), 0.0)
+
+
+def _masked_min(x, m):
+    return jnp.where(m.any(), jnp.where(m, x, jnp.inf).min(), 0.0)
+
+
+def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advantages, mask,
+                config: LossConfig, entropies=None):
+    """(loss scalar, metrics dict of scalars).
+
+    logprobs, old_logprobs, behaviour_logprobs, ref_logprobs: [B, T] per completion token;
+      behaviour_logprobs may be None when config.tis == "off" (then no mismatch metrics),
+      ref_logprobs may be None when not config.needs_reference.
+    advantages: [B], one per sequence. mask: [B, T] bool or float. entropies: optional [B, T].
+    Gradients flow only through `logprobs`.
+    """
+    if config.tis != "off" and behaviour_logprobs is None:
+        raise ValueError(f"tis={config.tis!r} needs behaviour_logprobs")
+    if config.needs_reference and ref_logprobs is None:
+        raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs")
+    dtype = jnp.result_type(logprobs.dtype, jnp.float32)
+    m = jnp.asarray(mask).astype(bool)
+    mf = m.astype(dtype)
+    seq_has_tokens = m.any(axis=1)
+    # Sanitize padding before any exp: garbage there would otherwise become inf * 0 = NaN.
+    logp = jnp.where(m, logprobs, 0.0).astype(dtype)
+    old = jax.lax.stop_gradient(jnp.where(m, old_logprobs, 0.0).astype(dtype))
+    adv_seq = jnp.where(seq_has_tokens, jnp.asarray(advantages, dtype), 0.0)
+    adv = adv_seq[:, None] * mf
+    log_ratio = logp - old
+
+    if config.loss_type == "grpo":
+        ratio = jnp.exp(log_ratio)
+        lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
+    elif config.loss_type == "gspo":
+        seq_log_ratio = (log_ratio * mf).sum(axis=1) / jnp.maximum(mf.sum(axis=1), 1.0)
+        # GSPO-token: value is the sequence ratio s_i; the gradient reaches each token as s_i * dlogp_t.
+        seq_ratio = jax.lax.stop_gradient(jnp.exp(seq_log_ratio))[:, None]
+        ratio = seq_ratio * jnp.exp(logp - jax.lax.stop_gradient(logp))
+        lo, hi = 1.0 - config.gspo_clip_low, 1.0 + config.gspo_clip_high
+    else:
+        raise ValueError(f"loss_type={config.loss_type!r}: allowed {', '.join(LOSS_TYPES)}")
+
+    pg = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+    if config.dual_clip is not None:
+        pg = jnp.where(adv < 0, jnp.minimum(pg, config.dual_clip * -adv), pg)
+
+    metrics = {}
+    if behaviour_logprobs is not None:
+        behaviour = jnp.where(m, behaviour_logprobs, 0.0).astype(dtype)
+        is_log = jax.lax.stop_gradient(old - behaviour)
+        is_w = jnp.exp(is_log)
+        capped = m & (is_w > config.tis_cap)
+        metrics |= {"tis/weight_mean": _masked_mean(is_w, m), "tis/weight_max": _masked_max(is_w, m),
+                    "tis/frac_capped": _masked_mean(capped, m),
+                    # KL(behaviour || old), k3 estimate from the sampler's own samples.
+                    "tis/mismatch_kl": _masked_mean(is_w - is_log - 1.0, m)}
+        if config.tis == "truncate":
+            pg = pg * jnp.minimum(is_w, config.tis_cap)
+        elif config.tis == "mask":
+            pg = pg * jnp.where(capped, 0.0, is_w)
+
+    pg_loss = aggregate(pg, mf, config.aggregation, config.max_completion_len)
+    loss = pg_loss
+    if ref_logprobs is not None:
+        ref = jax.lax.stop_gradient(jnp.where(m, ref_logprobs, 0.0).astype(dtype))
+        kl = kl_per_token(logp, ref, config.kl_estimator)
+        kl_loss = aggregate(kl, mf, config.aggregation, config.max_completion_len)
+        if config.kl_coef != 0.0:
+            loss = loss + config.kl_coef * kl_loss
+        metrics |= {"kl/loss": kl_loss, "kl/mean": _masked_mean(kl, m)}
+
+    sg = jax.lax.stop_gradient
+    r, a = sg(ratio), sg(adv)
+    metrics |= {
+        "loss": sg(loss),
+        "pg_loss": sg(pg_loss),
+        # Where the clip binds, i.e. the token's gradient is zeroed, given the advantage sign.
+        "clip/frac_low": _masked_mean((a < 0) & (r < lo), m),
+        "clip/frac_high": _masked_mean((a > 0) & (r > hi), m),
+        # KL(old || current), k3 estimate from samples of old: (r - 1) - log r.
+        "approx_kl_old": _masked_mean(sg(jnp.exp(log_ratio) - log_ratio - 1.0), m),
+        "ratio/mean": _masked_mean(r, m),
+        "ratio/max": _masked_max(r, m),
+        "ratio/min": _masked_min(r, m),
+        "advantage/mean": _masked_mean(adv_seq, seq_has_tokens),
+        "advantage/std": jnp.sqrt(_masked_mean((adv_seq - _masked_mean(adv_seq, seq_has_tokens)) ** 2,
+                                               seq_has_tokens)),
+        "advantage/min": _masked_min(adv_seq, seq_has_tokens),
+        "advantage/max": _masked_max(adv_seq, seq_has_tokens),
+        "num_tokens": mf.sum(),
+        "num_seqs": seq_has_tokens.sum().astype(dtype),
+    }
+    if config.dual_clip is not None:
+        metrics["clip/frac_dual"] = _masked_mean((a < 0) & (r > config.dual_clip), m)
+    if entropies is not None:
+        metrics["entropy"] = _masked_mean(sg(jnp.where(m, entropies, 0.0).astype(dtype)), m)
+    return loss, metrics

@@ -1,0 +1,258 @@
+"""Tokenizer: a Hugging Face `tokenizer.json` (via the `tokenizers` library) plus the special tokens and chat
+template from `tokenizer_config.json`, without transformers.
+
+Chat templates are rendered the way transformers renders them (sandboxed jinja2, trim_blocks, lstrip_blocks,
+`raise_exception`, a non-HTML-escaping `tojson`), so prompts match what the checkpoint was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from grpo_jax.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.50 saves the template here instead
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# ChatML, as Qwen uses; the tiny CPU models are trained with it.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer and decoder use."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _token_content(value) -> str | None:
+    """Special tokens in tokenizer_config.json are strings or AddedToken dicts {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _eos_list(value) -> list[int]:
+    """eos_token_id in config.json / generation_config.json is null, an int or a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return values
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _compile_template(template: str) -> jinja2.Template:
+    # Same environment as transformers' _compile_jinja_template (minus its generation-tracking extension).
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change prompts.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+class Tokenizer:
+    """Encode/decode text, know the special ids, and render chat prompts."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 eos_token: str | None = None, bos_token: str | None = None, pad_token: str | None = None,
+                 extra_eos_ids: tuple[int, ...] = (), pad_id: int | None = None, source: str = "<memory>"):
+        """extra_eos_ids: more stop ids (from generation_config.json); pad_id: used when pad_token is None."""
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token, pad_token
+        self.source = source
+        self._template = None
+        eos = [self._id_of(eos_token, "eos_token")] if eos_token is not None else []
+        self._eos_ids = tuple(dict.fromkeys(eos + list(extra_eos_ids)))  # dedupe, keep order
+        self._bos_id = self._id_of(bos_token, "bos_token") if bos_token is not None else None
+        self._pad_id = self._id_of(pad_token, "pad_token") if pad_token is not None else pad_id
+
+    def _id_of(self, token: str, role: str) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise CheckpointError(f"{self.source}: {role} {token!r} is not in the vocabulary")
+        return token_id
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load tokenizer.json, plus tokenizer_config.json / chat_template.jinja / generation_config.json /
+        config.json when present (the layout transformers' save_pretrained writes)."""
+        path = Path(path)
+        tok_file = path / TOKENIZER_FILE
+        if not tok_file.exists():
+            raise CheckpointError(f"{tok_file}: not found (a tokenizer directory needs {TOKENIZER_FILE}; "
+                                  "slow sentencepiece-only tokenizers are not supported)")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust library raises plain Exception for any parse problem
+            raise CheckpointError(f"{tok_file}: cannot load tokenizer ({e})") from e
+
+        config = _read_json(path / TOKENIZER_CONFIG_FILE) or {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]: use the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if (path / CHAT_TEMPLATE_FILE).exists():  # takes precedence, as in transformers
+            template = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+
+        # Stop ids: generation_config.json is what generate() uses; config.json when it is absent.
+        extra_eos, pad_id = [], None
+        for name in (GENERATION_CONFIG_FILE, "config.json"):
+            data = _read_json(path / name)
+            if data is None:
+                continue
+            try:
+                extra_eos = _eos_list(data.get("eos_token_id"))
+            except ValueError as e:
+                raise CheckpointError(f"{path / name}: {e}") from e
+            pad_id = data.get("pad_token_id") if isinstance(data.get("pad_token_id"), int) else None
+            break
+        return cls(tok, chat_template=template,
+                   eos_token=_token_content(config.get("eos_token")),
+                   bos_token=_token_content(config.get("bos_token")),
+                   pad_token=_token_content(config.get("pad_token")),
+                   extra_eos_ids=tuple(extra_eos), pad_id=pad_id, source=str(path / TOKENIZER_CONFIG_FILE))
+
+    @classmethod
+    def byte_level(cls, extra_special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> "Tokenizer":
+        """A byte-level BPE tokenizer built locally: ids 0..255 are the bytes, then the special tokens.
+
+        No merges, so every byte is one token: long sequences, but any text round-trips and no data or
+        download is needed. Chat uses ChatML when <|im_start|>/<|im_end|> are among the specials; both
+        <|im_end|> and <|endoftext|> stop generation (as with Qwen instruct models).
+        """
+        byte_chars = _bytes_to_unicode()
+        vocab = {byte_chars[b]: b for b in range(256)}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_special_tokens])
+        specials = set(extra_special_tokens)
+        chat = {"<|im_start|>", "<|im_end|>"} <= specials
+        eos = [t for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
+        pad = "<|endoftext|>" if "<|endoftext|>" in specials else None
+        return cls(tok, chat_template=CHATML_TEMPLATE if chat else None,
+                   eos_token=eos[0] if eos else None,
+                   extra_eos_ids=tuple(tok.token_to_id(t) for t in eos), pad_token=pad, source="byte_level()")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json and tokenizer_config.json (loadable by from_dir and transformers' AutoTokenizer).
+
+        Stop ids beyond eos_token cannot be said in tokenizer_config.json, so they are merged into
+        generation_config.json's eos_token_id, where from_dir and transformers' generate() read them.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / TOKENIZER_FILE))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,  # otherwise transformers rewrites " ." to "." on decode
+            "eos_token": self.eos_token, "bos_token": self.bos_token, "pad_token": self.pad_token,
+            "model_max_length": 1 << 30,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (path / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                  encoding="utf-8")
+        eos_token_id = [self._tok.token_to_id(self.eos_token)] if self.eos_token is not None else []
+        if list(self._eos_ids) != eos_token_id:
+            gen_file = path / GENERATION_CONFIG_FILE
+            gen = _read_json(gen_file) or {}
+            gen["eos_token_id"] = list(self._eos_ids)
+            gen_file.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+
+    # ---- use ----------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text. add_special_tokens defaults to False (unlike transformers) because prompts come
+        from chat templates, which already contain the BOS; adding it again would double it."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
+    def pad_id(self) -> int:
+        if self._pad_id is not None:
+            return self._pad_id
+        if self._eos_ids:  # padding is masked out, so any id works; eos is the usual choice
+            return self._eos_ids[0]
+        raise ValueError(f"{self.source}: tokenizer has neither a pad token nor an eos token")
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render a conversation to the prompt string (not tokenized). Extra kwargs reach the template."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.source}: tokenizer has no chat_template (looked for 'chat_template' in "
+                             f"{TOKENIZER_CONFIG_FILE} and for {CHAT_TEMPLATE_FILE}); use plain prompts instead")
+        if self._template is None:
+            try:
+                self._template = _compile_template(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"{self.source}: chat_template has a syntax error: {e}") from e
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        variables = {k: v for k, v in specials.items() if v is not None}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **variables, **kwargs)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.source}: chat_template failed: {e}") from e

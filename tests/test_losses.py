@@ -1,0 +1,304 @@
+"""Policy losses against an independent per-token NumPy reference, finite-difference gradients, and
+padding invariance."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from grpo_jax.losses import LossConfig, aggregate, policy_loss
+
+B, T = 5, 7
+
+
+def make_batch(seed, B=B, T=T, spread=0.7, garbage=True):
+    """Random log-probs near each other (so clips bind on both sides), ragged masks with one empty
+    row, and garbage (NaN/inf/huge) in every padded position."""
+    rng = np.random.default_rng(seed)
+    old = -np.abs(rng.normal(1.0, 1.0, (B, T)))
+    logp = old + spread * rng.normal(size=(B, T))
+    beh = old + 0.6 * rng.normal(size=(B, T))
+    ref = old + 0.5 * rng.normal(size=(B, T))
+    ent = np.abs(rng.normal(size=(B, T)))
+    adv = rng.normal(size=B)
+    adv[rng.integers(B)] = 0.0
+    lengths = rng.integers(1, T + 1, size=B)
+    lengths[rng.integers(B)] = 0
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    if garbage:
+        junk = rng.choice([np.nan, np.inf, -np.inf, 1e4, -1e4], size=(B, T))
+        for x in (logp, old, beh, ref, ent):
+            x[~mask] = junk[~mask]
+        adv[lengths == 0] = np.nan
+    return dict(logprobs=logp, old_logprobs=old, behaviour_logprobs=beh, ref_logprobs=ref,
+                advantages=adv, mask=mask, entropies=ent)
+
+
+def reference(b, cfg: LossConfig):
+    """Per-token loops in float64, written from the papers' formulas (dual clip as max(obj, c*A))."""
+    logp, old, beh, ref, adv, mask = (b[k] for k in ("logprobs", "old_logprobs", "behaviour_logprobs",
+                                                      "ref_logprobs", "advantages", "mask"))
+    Bn, Tn = mask.shape
+    pg = np.zeros((Bn, Tn))
+    kl = np.zeros((Bn, Tn))
+    ratio = np.ones((Bn, Tn))
+    for i in range(Bn):
+        toks = [t for t in range(Tn) if mask[i, t]]
+        if not toks:
+            continue
+        if cfg.loss_type == "gspo":
+            s = math.exp(sum(logp[i, t] - old[i, t] for t in toks) / len(toks))
+            lo, hi = 1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high
+        else:
+            lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+        A = adv[i]
+        for t in toks:
+            r = s if cfg.loss_type == "gspo" else math.exp(logp[i, t] - old[i, t])
+            ratio[i, t] = r
+            obj = min(r * A, min(max(r, lo), hi) * A)
+            if cfg.dual_clip is not None and A < 0:
+                obj = max(obj, cfg.dual_clip * A)
+            loss = -obj
+            w = math.exp(old[i, t] - beh[i, t])
+            if cfg.tis == "truncate":
+                loss *= min(w, cfg.tis_cap)
+            elif cfg.tis == "mask":
+                loss *= w if w <= cfg.tis_cap else 0.0
+            pg[i, t] = loss
+            d = ref[i, t] - logp[i, t]  # log(ref / pi)
+            kl[i, t] = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[cfg.kl_estimator]
+    return pg, kl, ratio
+
+
+def ref_aggregate(x, mask, cfg):
+    rows = [i for i in range(mask.shape[0]) if mask[i].any()]
+    if cfg.aggregation == "token_mean":
+        return sum(x[i, t] for i in rows for t in range(mask.shape[1]) if mask[i, t]) / max(mask.sum(), 1)
+    per_seq = []
+    for i in rows:
+        vals = [x[i, t] for t in range(mask.shape[1]) if mask[i, t]]
+        denom = len(vals) if cfg.aggregation == "seq_mean_token_mean" else cfg.max_completion_len
+        per_seq.append(sum(vals) / denom)
+    return sum(per_seq) / max(len(per_seq), 1)
+
+
+def ref_loss(b, cfg):
+    pg, kl, _ = reference(b, cfg)
+    return ref_aggregate(pg, b["mask"], cfg) + cfg.kl_coef * ref_aggregate(kl, b["mask"], cfg)
+
+
+def call(b, cfg, fn=policy_loss, dtype=jnp.float32):
+    j = {k: jnp.asarray(v, dtype if k != "mask" else bool) for k, v in b.items()}
+    return fn(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"], j["ref_logprobs"],
+              j["advantages"], j["mask"], cfg, entropies=j["entropies"])
+
+
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+MATRIX = list(itertools.product(("grpo", "gspo"), AGGS, (None, 2.5), ("off", "truncate", "mask"),
+                                (0.0, "k1", "k2", "k3")))
+
+
+def config_for(loss_type, agg, dual, tis, kl):
+    return LossConfig(loss_type=loss_type, clip_low=0.2, clip_high=0.28, dual_clip=dual,
+                      gspo_clip_low=0.1, gspo_clip_high=0.15, aggregation=agg, max_completion_len=T + 3,
+                      kl_coef=0.0 if kl == 0.0 else 0.05, kl_estimator="k3" if kl == 0.0 else kl,
+                      tis=tis, tis_cap=1.5)
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(MATRIX)), ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_loss_matches_numpy_reference(seed, case):
+    cfg = config_for(*case)
+    assert cfg.validate() == []
+    b = make_batch(seed)
+    loss, metrics = call(b, cfg)
+    np.testing.assert_allclose(float(loss), ref_loss(b, cfg), rtol=2e-5, atol=1e-6)
+    assert all(np.isfinite(np.asarray(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
+def test_metrics_match_numpy(loss_type):
+    cfg = config_for(loss_type, "token_mean", 2.5, "truncate", "k2")
+    b = make_batch(seed=3)
+    _, m = call(b, cfg)
+    mask = b["mask"]
+    pg, kl, ratio = reference(b, cfg)
+    A = np.broadcast_to(b["advantages"][:, None], mask.shape)
+    lo, hi = ((1 - cfg.clip_low, 1 + cfg.clip_high) if loss_type == "grpo"
+              else (1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high))
+    with np.errstate(invalid="ignore"):  # garbage in the padding
+        lr = b["logprobs"] - b["old_logprobs"]
+        w = np.exp(b["old_logprobs"] - b["behaviour_logprobs"])
+    seqs = mask.any(axis=1)
+    advs = b["advantages"][seqs]
+    expected = {
+        "clip/frac_low": ((A < 0) & (ratio < lo))[mask].mean(),
+        "clip/frac_high": ((A > 0) & (ratio > hi))[mask].mean(),
+        "clip/frac_dual": ((A < 0) & (ratio > 2.5))[mask].mean(),
+        "approx_kl_old": (np.exp(lr) - 1 - lr)[mask].mean(),
+        "ratio/max": ratio[mask].max(),
+        "ratio/mean": ratio[mask].mean(),
+        "tis/weight_mean": w[mask].mean(),
+        "tis/weight_max": w[mask].max(),
+        "tis/frac_capped": (w > cfg.tis_cap)[mask].mean(),
+        "kl/mean": kl[mask].mean(),
+        "entropy": b["entropies"][mask].mean(),
+        "advantage/mean": advs.mean(),
+        "advantage/std": advs.std(),
+        "advantage/min": advs.min(),
+        "advantage/max": advs.max(),
+        "num_tokens": mask.sum(),
+        "num_seqs": seqs.sum(),
+    }
+    for k, v in expected.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=2e-5, atol=1e-6, err_msg=k)
+    # Clips must bind somewhere on both sides for this test to mean anything.
+    assert 0 < expected["clip/frac_low"] and 0 < expected["clip/frac_high"]
+
+
+def test_all_padding_batch_is_zero_and_finite():
+    b = make_batch(seed=4)
+    b["mask"][:] = False
+    loss, m = call(b, config_for("grpo", "seq_mean_token_mean", 2.5, "truncate", "k3"))
+    assert float(loss) == 0.0
+    assert all(np.isfinite(np.asarray(v)) for v in m.values())
+
+
+GRAD_CASES = [
+    config_for("grpo", "token_mean", 2.5, "truncate", "k3"),
+    config_for("grpo", "seq_mean_token_mean", None, "mask", "k2"),
+    config_for("grpo", "seq_mean_token_sum_norm", None, "off", "k1"),
+    config_for("gspo", "seq_mean_token_mean", None, "off", 0.0),
+    # GSPO-token's stop-gradient trick gives the true gradient of the sequence objective under any
+    # aggregation, as long as there are no per-token weights (so TIS is off here).
+    config_for("gspo", "token_mean", 2.5, "off", "k3"),
+]
+
+
+@pytest.mark.parametrize("cfg", GRAD_CASES, ids=lambda c: f"{c.loss_type}-{c.aggregation}")
+def test_gradient_matches_finite_differences(cfg):
+    b = make_batch(seed=11, B=3, T=4)
+    mask = b["mask"]
+    with jax.enable_x64(True):
+        grad = jax.grad(lambda lp: call({**b, "logprobs": lp}, cfg, dtype=jnp.float64)[0])(
+            jnp.asarray(b["logprobs"], jnp.float64))
+        grad = np.asarray(grad)
+    assert grad.dtype == np.float64
+    assert np.all(grad[~mask] == 0.0)
+    h = 1e-6
+    fd = np.zeros_like(grad)
+    for i, t in zip(*np.nonzero(mask)):
+        plus, minus = b["logprobs"].copy(), b["logprobs"].copy()
+        plus[i, t] += h
+        minus[i, t] -= h
+        fd[i, t] = (ref_loss({**b, "logprobs": plus}, cfg) - ref_loss({**b, "logprobs": minus}, cfg)) / (2 * h)
+    np.testing.assert_allclose(grad[mask], fd[mask], rtol=1e-5, atol=1e-8)
+    assert np.abs(fd).max() > 1e-3
+
+
+def test_on_policy_gradient_is_reinforce():
+    # At ratio 1 and no clipping: d loss / d logp_t = -A_i / num_tokens (token_mean).
+    b = make_batch(seed=5, garbage=False)
+    b["old_logprobs"] = b["logprobs"].copy()
+    cfg = LossConfig()
+    grad = jax.grad(lambda lp: call({**b, "logprobs": lp}, cfg)[0])(jnp.asarray(b["logprobs"], jnp.float32))
+    expected = -np.broadcast_to(b["advantages"][:, None], b["mask"].shape) * b["mask"] / b["mask"].sum()
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-5, atol=1e-7)
+
+
+def pad(b, extra_t, extra_b, rng):
+    """The same batch with extra padded columns and rows full of garbage."""
+    out = {}
+    for k, v in b.items():
+        if k == "advantages":
+            out[k] = np.concatenate([v, rng.normal(size=extra_b) * 1e3])
+        elif k == "mask":
+            out[k] = np.pad(v, ((0, extra_b), (0, extra_t)))
+        else:
+            junk = rng.choice([np.nan, np.inf, -1e4, 7.0], size=(v.shape[0] + extra_b, v.shape[1] + extra_t))
+            junk[: v.shape[0], : v.shape[1]] = v
+            out[k] = junk
+    return out
+
+
+_jitted = jax.jit(policy_loss, static_argnames="config")
+_jitted_value_and_grad = jax.jit(
+    jax.value_and_grad(lambda lp, old, beh, ref, adv, mask, config, entropies:
+                       policy_loss(lp, old, beh, ref, adv, mask, config, entropies), has_aux=True),
+    static_argnames="config")
+
+# Between them every feature: both loss types, all aggregations, dual clip, both TIS modes, all KLs.
+PAD_CASES = [("grpo", "token_mean", 2.5, "truncate", "k3"), ("grpo", "seq_mean_token_sum_norm", None, "mask", "k1"),
+             ("gspo", "seq_mean_token_mean", 2.5, "truncate", "k2"), ("gspo", "token_mean", None, "off", 0.0)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(PAD_CASES))
+def test_padding_never_changes_loss_gradient_or_metrics(seed, case):
+    # Fixed shapes and four configs: at most eight compilations, however many examples.
+    cfg = config_for(*case)
+    b = make_batch(seed, B=4, T=5)
+    padded = pad(b, extra_t=3, extra_b=2, rng=np.random.default_rng(seed + 1))
+    (l1, m1), g1 = call(b, cfg, fn=_jitted_value_and_grad)
+    (l2, m2), g2 = call(padded, cfg, fn=_jitted_value_and_grad)
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-7)
+    g1, g2 = np.asarray(g1), np.asarray(g2)
+    np.testing.assert_allclose(g2[:4, :5][b["mask"]], g1[b["mask"]], rtol=1e-5, atol=1e-7)
+    assert np.all(g2[~padded["mask"]] == 0.0)
+    for k in m1:
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_jit_matches_eager():
+    cfg = config_for("gspo", "seq_mean_token_mean", 2.5, "mask", "k3")
+    b = make_batch(seed=8)
+    l1, m1 = call(b, cfg)
+    l2, m2 = call(b, cfg, fn=_jitted)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    assert m1.keys() == m2.keys()
+
+
+def test_reference_and_behaviour_optional():
+    b = make_batch(seed=9, garbage=False)
+    j = {k: jnp.asarray(v) for k, v in b.items()}
+    cfg = LossConfig()
+    assert not cfg.needs_reference
+    loss, m = policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"], cfg)
+    assert np.isfinite(float(loss)) and "kl/mean" not in m and "tis/weight_mean" not in m
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"],
+                    LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"],
+                    LossConfig(tis="truncate"))
+    assert LossConfig(kl_coef=0.1).needs_reference
+
+
+def test_float_mask_equals_bool_mask():
+    b = make_batch(seed=10)
+    cfg = config_for("grpo", "seq_mean_token_sum_norm", None, "truncate", "k1")
+    l_bool, _ = call(b, cfg)
+    l_float, _ = call({**b, "mask": b["mask"].astype(np.float32)}, cfg)
+    assert float(l_bool) == float(l_float)
+
+
+def test_aggregate_simple_values():
+    x = jnp.array([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = jnp.array([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert float(aggregate(x, m, "token_mean")) == pytest.approx(10 / 4)
+    assert float(aggregate(x, m, "seq_mean_token_mean")) == pytest.approx((2 + 4) / 2)
+    assert float(aggregate(x, m, "seq_mean_token_sum_norm", 6)) == pytest.approx((6 / 6 + 4 / 6) / 2)
+
+
+def test_validate():
+    assert LossConfig().validate() == []
+    problems = LossConfig(loss_type="ppo", aggregation="sum", kl_estimator="k4", tis="on", clip_low=1.5,
+                          clip_high=-0.1, dual_clip=0.5, tis_cap=0.0, kl_coef=-1.0).validate()
+    keys = [p.split("=")[0] for p in problems]
+    assert keys == ["loss_type", "aggregation", "kl_estimator", "tis", "clip_low", "clip_high", "kl_coef",
+                    "dual_clip", "tis_cap"]
+    assert problems[0] == "loss_type='ppo': allowed grpo, gspo"
+    assert LossConfig(aggregation="seq_mean_token_sum_norm").validate()[0].startswith("max_completion_len=0")
