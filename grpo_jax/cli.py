@@ -126,6 +126,45 @@ def cmd_generate(args) -> None:
           f"({generated / max(elapsed, 1e-9):.0f} tokens/s, compilation included)", file=sys.stderr)
 
 
+def cmd_train(args) -> None:
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import load_config
+    from grpo_jax.data import DataError
+    from grpo_jax.trainer import Trainer, TrainerError
+
+    config = load_config(Config, args.config, args.overrides)
+    run_dir = args.run_dir or config.run_dir
+    try:
+        history = Trainer(config, run_dir).train()
+    except (DataError, TrainerError) as e:
+        raise UsageError(str(e)) from e
+    if history:
+        last = history[-1]
+        print(f"trained {last['step']} steps in {last['time/elapsed_s']:.0f}s; final reward/mean "
+              f"{last['reward/mean']:.3f}; run directory {run_dir}")
+
+
+def cmd_plot(args) -> None:
+    from grpo_jax.plot import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    for path in written:
+        print(path)
+
+
+def cmd_audit(args) -> int:
+    from grpo_jax.ledger import audit
+
+    if not (pathlib.Path(args.run_dir) / "events.jsonl").is_file():
+        raise UsageError(f"{args.run_dir}/events.jsonl does not exist: is it a grpo_jax run directory?")
+    report = audit(args.run_dir)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-jax", description="Asynchronous GRPO in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,17 +189,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser("train", help="train with asynchronous GRPO")
+    train.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-6")
+    train.add_argument("--run-dir", help="where metrics, ledger and checkpoints go (default: run_dir of the config)")
+    train.set_defaults(func=cmd_train)
+
+    plot = sub.add_parser("plot", help="write PNGs of a run's metrics")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="folder for the PNGs (default RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
+
+    aud = sub.add_parser("audit", help="check the prompt ledger: every prompt trained once or dropped")
+    aud.add_argument("run_dir")
+    aud.set_defaults(func=cmd_audit)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except USER_ERRORS as e:
         print(f"grpo-jax: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return 0
 
 
 if __name__ == "__main__":

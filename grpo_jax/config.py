@@ -4,9 +4,71 @@ from __future__ import annotations
 
 import dataclasses
 
+from grpo_jax.data import DataConfig
+from grpo_jax.learner import OptimConfig
+from grpo_jax.losses import LossConfig
 from grpo_jax.model import ModelConfig
 from grpo_jax.sampler import SamplerConfig
 from grpo_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """How devices split between the actor (sampling) and the learner (updates)."""
+
+    actor_devices: int = 0  # 0: actor and learner share all devices; n: the first n devices sample
+    actor: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    learner: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def validate(self) -> list[str]:
+        return [] if self.actor_devices >= 0 else [f"actor_devices={self.actor_devices}: must be >= 0"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    group_size: int = 8  # completions per prompt (G)
+    prompts_per_step: int = 8  # groups per learner step (also the handout size)
+    max_staleness: int = 1  # learner steps a group may lag the weights that train it; 0 = synchronous
+    baseline: str = "mean"  # "mean" (GRPO) or "leave_one_out"
+    scale_by_std: bool = True  # False: Dr. GRPO
+    filter_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.group_size < 2:
+            problems.append(f"group_size={self.group_size}: must be >= 2 (advantages compare samples of a group)")
+        if self.prompts_per_step < 1:
+            problems.append(f"prompts_per_step={self.prompts_per_step}: must be >= 1")
+        if self.max_staleness < 0:
+            problems.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.baseline not in ("mean", "leave_one_out"):
+            problems.append(f"baseline={self.baseline!r}: allowed mean, leave_one_out")
+        return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    max_steps: int = 100
+    buffer_capacity: int = 0  # groups; 0: prompts_per_step * (max_staleness + 2)
+    group_timeout_s: float = 600.0  # the learner stops with an error if a step's groups take longer
+    reward_timeout_s: float = 10.0  # per reward call; a slower reward fails its samples
+    progress: bool = True
+    tensorboard: bool = True
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.max_steps < 1:
+            problems.append(f"max_steps={self.max_steps}: must be >= 1")
+        if self.buffer_capacity < 0:
+            problems.append(f"buffer_capacity={self.buffer_capacity}: must be >= 0 (0 = automatic)")
+        for key in ("group_timeout_s", "reward_timeout_s"):
+            if not getattr(self, key) > 0:
+                problems.append(f"{key}={getattr(self, key)}: must be > 0")
+        return problems
+
+
+def _default_rewards() -> list:
+    return [{"name": "synthetic_digits", "weight": 1.0}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,20 +77,45 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     # A Hugging Face directory (config.json + safetensors + tokenizer.json) to start from.
     model_path: str = ""
-    # "byte" builds the byte-level tokenizer locally; otherwise a directory holding tokenizer.json.
-    # Empty: the tokenizer of model_path.
+    # "byte" or "synthetic" (char-level over the synthetic tasks' symbols) are built locally; otherwise a
+    # directory holding tokenizer.json. Empty: the tokenizer of model_path.
     tokenizer: str = ""
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    # Weighted reward terms: [{name, weight, kwargs, label}], names from grpo_jax.rewards.REWARDS.
+    rewards: list = dataclasses.field(default_factory=_default_rewards)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    mesh: MeshLayout = dataclasses.field(default_factory=MeshLayout)
     seed: int = 0
     run_dir: str = "runs/default"
 
     def validate(self) -> list[str]:
+        from grpo_jax.rewards import RewardSpec, get_reward
+
         problems = []
         if not self.model_path and self.tokenizer == "":
-            problems.append("tokenizer='': set tokenizer ('byte' or a directory) when no model_path is given")
+            problems.append("tokenizer='': set tokenizer ('byte', 'synthetic' or a directory) when no "
+                            "model_path is given")
         if self.seed < 0:
             problems.append(f"seed={self.seed}: must be >= 0")
         if not self.run_dir:
             problems.append("run_dir='': must name a directory")
+        if not self.rewards:
+            problems.append("rewards=[]: need at least one reward term")
+        for i, spec in enumerate(self.rewards):
+            try:
+                parsed = RewardSpec.parse(spec)
+                get_reward(parsed.name, **parsed.kwargs)
+            except (ValueError, TypeError) as e:
+                problems.append(f"rewards[{i}]={spec!r}: {e}")
+        if self.loss.aggregation == "seq_mean_token_sum_norm" and self.loss.max_completion_len <= 0:
+            problems.append("loss.max_completion_len=0: aggregation seq_mean_token_sum_norm needs the constant "
+                            f"normaliser (usually sampler.max_new_tokens={self.sampler.max_new_tokens})")
+        micro = self.optim.micro_batch_size
+        rows = self.grpo.prompts_per_step * self.grpo.group_size
+        if micro and rows % micro:
+            problems.append(f"optim.micro_batch_size={micro}: must divide prompts_per_step * group_size = {rows}")
         return problems

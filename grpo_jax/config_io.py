@@ -52,12 +52,12 @@ def _convert(value: Any, tp, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping of {tp.__name__} fields")
         return _build(tp, value, key)
-    if origin in (list, tuple):
+    if origin in (list, tuple) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r}: expected a list")
         (item_tp, *rest) = typing.get_args(tp) or (Any,)
         items = [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return tuple(items) if tuple in (origin, tp) else items
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping")

@@ -81,6 +81,17 @@ def _rope_from_hf(cfg: dict, where: str, max_pos: int) -> tuple[float, dict | No
 def hf_config_to_model_config(cfg: dict, path_for_errors: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
     """ModelConfig from a transformers config.json dict. dtype/param_dtype come from its dtype/torch_dtype."""
     where = str(path_for_errors)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return _hf_config_to_model_config(cfg, where)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a value of the wrong type somewhere
+        raise CheckpointError(f"{where}: bad value ({type(e).__name__}: {e})") from e
+
+
+def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)

@@ -45,6 +45,12 @@ class ModelConfig:
     remat: bool = False  # recompute each layer in the backward pass
     architecture: str = "qwen2"  # "qwen2" or "llama": the Hugging Face class written on export
 
+    def __hash__(self):
+        # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
+        # graphdef that holds it, can be a static jit argument.
+        fields = dataclasses.astuple(dataclasses.replace(self, rope_scaling=None))
+        return hash((fields, tuple(sorted((self.rope_scaling or {}).items()))))
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
@@ -160,9 +166,10 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, mask, inv_freq, cache, write_index):
         """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,KV,S,D] or None (then S == T)."""
         dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1])  # [B*T, E]: see MLP.__call__
 
         def project(w, b):
-            y = jnp.einsum("bte,ehd->bthd", x, w[...].astype(dtype))
+            y = jnp.einsum("ne,ehd->nhd", rows, w[...].astype(dtype)).reshape(*x.shape[:2], *w.shape[1:])
             return y if b is None else y + b[...].astype(dtype)
 
         q = apply_rope(project(self.q, self.q_bias), positions, inv_freq)
@@ -184,8 +191,9 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         # Output in dot order (bkgtd), then transpose: asking XLA for btkgd directly picked a slow dot.
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dtype)).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-        return jnp.einsum("bthd,hde->bte", out, self.o[...].astype(dtype)), cache
+        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dtype))
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h, d)
+        return jnp.einsum("nhd,hde->ne", out, self.o[...].astype(dtype)).reshape(b, t, -1), cache
 
 
 class MLP(nnx.Module):
@@ -198,9 +206,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dtype = x.dtype
-        gate = x @ self.gate[...].astype(dtype)
-        up = x @ self.up[...].astype(dtype)
-        return (jax.nn.silu(gate) * up) @ self.down[...].astype(dtype)
+        # Rows flattened to [B*T, E], so each weight gradient contracts one dimension: with [B, T, E]
+        # operands (two contracting dims) XLA CPU transposed the [B, T, M] activation gradient into a
+        # slow fused copy before every weight-gradient matmul (tools/bench_train.py: ~10% of a step).
+        rows = x.reshape(-1, x.shape[-1])
+        gate = rows @ self.gate[...].astype(dtype)
+        up = rows @ self.up[...].astype(dtype)
+        return ((jax.nn.silu(gate) * up) @ self.down[...].astype(dtype)).reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -277,8 +289,10 @@ class Transformer(nnx.Module):
         return self.lm_head[...]
 
     def logits(self, hidden):
-        return jnp.einsum("bte,ev->btv", hidden, self.head_weight().astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [B*T, E]: see MLP.__call__
+        out = jnp.einsum("ne,ev->nv", rows, self.head_weight().astype(hidden.dtype),
+                         preferred_element_type=jnp.float32)
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
     def __call__(self, tokens, positions=None, key_mask=None, cache=None, write_index=0):
         if positions is None:
@@ -304,5 +318,5 @@ def count_params(model: nnx.Module) -> int:
 
 def param_dict(model: nnx.Module) -> dict[str, Any]:
     """Flat {dotted.path: array} view of the parameters (used by conversion and tests)."""
-    flat = nnx.state(model, nnx.Param).flat_state()
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     return {".".join(str(k) for k in path): v.get_value() for path, v in flat}

@@ -17,6 +17,7 @@ Design:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Sequence
 
@@ -39,6 +40,9 @@ class SamplerConfig:
     max_prompt_len: int = 512
     min_prompt_bucket: int = 16  # prompt lengths are padded to powers of two from here
     min_batch_bucket: int = 1  # batch sizes are padded to powers of two from here
+    # Concurrent decode programs, each on a share of the rows: 2 keeps both cores of a small CPU host
+    # busy (+15-20% tokens/s on 2 cores); use 1 on an accelerator.
+    decode_streams: int = 2
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: what is allowed' strings (empty when valid)."""
@@ -49,7 +53,7 @@ class SamplerConfig:
             problems.append(f"top_p={self.top_p}: must be in (0, 1] (1 means off)")
         if self.top_k < 0:
             problems.append(f"top_k={self.top_k}: must be >= 0 (0 means off)")
-        for key in ("max_new_tokens", "max_prompt_len", "min_prompt_bucket", "min_batch_bucket"):
+        for key in ("max_new_tokens", "max_prompt_len", "min_prompt_bucket", "min_batch_bucket", "decode_streams"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key}={getattr(self, key)}: must be a positive integer")
         return problems
@@ -72,49 +76,50 @@ def _bucket(n: int, minimum: int) -> int:
 
 
 def _sortable(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 -> int32 with the same order, so the bisection below is over a finite integer range."""
+    """float32 <-> int32 with the same order (an involution), so a bisection can run over integers."""
     i = jax.lax.bitcast_convert_type(x, jnp.int32)
     return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
 
 
-def _nucleus_keep(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
-    """Mask of the smallest set of highest-`x` entries whose mass (e) reaches top_p of the total.
-
-    Equals "sort descending, keep while the mass before the entry is < top_p" (ties at the cut are
-    all kept), found by bisecting the cut value over the float order: 32 cheap passes instead of a
-    sort, which XLA's CPU comparator sort makes ~50x slower than the model for a 32k vocab.
+def _nucleus_cut(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
+    """[B, 1] cut such that x >= cut is the smallest set of highest-x entries whose mass e reaches
+    top_p of the total: "sort descending, keep while the mass before the entry is < top_p", with ties
+    at the cut all kept. Found by bisecting the cut over the float order in 32 passes, because XLA's
+    CPU comparator sort of a 32k vocab costs ~50x a model step.
     """
     k = _sortable(x)
     target = top_p * e.sum(-1)
-    lo = k.min(-1)  # mass(k >= lo) is everything >= target
-    hi = k.max(-1)
+    lo, hi = k.min(-1), k.max(-1)  # invariant: mass(k >= lo) >= target, and the answer is in [lo, hi]
 
     def body(_, carry):
-        lo, hi = carry  # invariant: mass(k >= lo) >= target; the answer is in [lo, hi]
+        lo, hi = carry
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo + hi) / 2), no overflow
         ok = jnp.where(k >= mid[:, None], e, 0).sum(-1) >= target
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
-    return k >= lo[:, None]
+    return jax.lax.bitcast_convert_type(_sortable(lo), jnp.float32)[:, None]
 
 
-def _inverse_cdf(e: jnp.ndarray, u: jnp.ndarray, block: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Index i with probability e[i] / sum(e) for u ~ U[0, 1), and sum(e). e: [B, V] >= 0.
+def _inverse_cdf(weight, x: jnp.ndarray, u: jnp.ndarray, block: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Index i with probability w[i] / sum(w), w = weight(x) >= 0 elementwise, for u ~ U[0, 1);
+    and sum(w). x: [B, V].
 
     Two levels: cumulative block sums pick a block, then a cumsum inside the block picks the entry.
-    Clipping to the last entry with positive mass guards against float rounding at the top end.
+    The weights are recomputed for the chosen block instead of kept, so the full [B, V] pass is a
+    single fused exp-and-sum. Clipping to the last entry with positive weight guards against float
+    rounding at the top end.
     """
-    b, v = e.shape
+    b, v = x.shape
     nb = -(-v // block)
-    blocks = jnp.pad(e, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-    sums = blocks.sum(-1)  # [B, nb]
+    blocks = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
+    sums = weight(blocks).sum(-1)  # [B, nb]
     csum = jnp.cumsum(sums, axis=-1)
     total = csum[:, -1]
     target = u * total
     last_block = nb - 1 - jnp.argmax((sums > 0)[:, ::-1], axis=-1)
     j = jnp.minimum((csum <= target[:, None]).sum(-1), last_block)
-    within = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [B, block]
+    within = weight(jnp.take_along_axis(blocks, j[:, None, None], axis=1))[:, 0]  # [B, block]
     rest = target - (jnp.take_along_axis(csum, j[:, None], axis=1)[:, 0] - jnp.take_along_axis(
         sums, j[:, None], axis=1)[:, 0])
     last_in = block - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)
@@ -135,16 +140,21 @@ def sample_logits(logits, u, temperature, top_p, *, greedy: bool, top_k: int, us
         tok = jnp.argmax(logits, axis=-1)
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], axis=-1)[:, 0]
         return tok.astype(jnp.int32), lp
-    x = logits / temperature
-    ids = None
+    # Top-k and top-p only need the order of the logits, which temperature does not change, so the
+    # temperature is folded into the one exp pass instead of a separate pass over [B, V].
+    x, ids = logits, None
     if top_k:
         x, ids = jax.lax.top_k(x, top_k)  # sorted candidates: cheap for small k, unlike a full sort
+    inv_t = 1.0 / temperature
     m = x.max(-1, keepdims=True)
-    e = jnp.exp(x - m)
-    if use_top_p:
-        e = jnp.where(_nucleus_keep(x, e, top_p), e, 0.0)
-    idx, total = _inverse_cdf(e, u, block)
-    lp = jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0] - m[:, 0] - jnp.log(total)
+    cut = _nucleus_cut(x, jnp.exp((x - m) * inv_t), top_p) if use_top_p else None
+
+    def weight(xs):  # xs: [B, ..., n] slices of x
+        e = jnp.exp((xs - m.reshape((-1,) + (1,) * (xs.ndim - 1))) * inv_t)
+        return e if cut is None else jnp.where(xs >= cut.reshape(m.shape[:1] + (1,) * (xs.ndim - 1)), e, 0.0)
+
+    idx, total = _inverse_cdf(weight, x, u, block)
+    lp = (jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0] - m[:, 0]) * inv_t - jnp.log(total)
     tok = idx if ids is None else jnp.take_along_axis(ids, idx[:, None], axis=-1)[:, 0]
     return tok.astype(jnp.int32), lp
 
@@ -165,6 +175,9 @@ class Sampler:
         self.graphdef, self.state = nnx.split(model)
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
         self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
+        self._compiled: set = set()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
+                                                           thread_name_prefix="sampler")
 
     def update_params(self, model_or_state) -> None:
         """Swap in new weights (a model or its nnx.State); same structure means no recompile."""
@@ -197,50 +210,68 @@ class Sampler:
             if length > cfg.max_prompt_len:
                 raise ValueError(f"prompt {i} has {length} tokens, more than max_prompt_len={cfg.max_prompt_len}")
 
-        batch = _bucket(n, cfg.min_batch_bucket)
-        plen = min(_bucket(int(lens.max()), cfg.min_prompt_bucket), cfg.max_prompt_len)
-        new_bucket = _bucket(max_new, 1)
-        tokens = np.full((batch, plen), self.pad_id, np.int32)
-        mask = np.zeros((batch, plen), bool)
-        for i, p in enumerate(prompts):
-            tokens[i, plen - len(p):] = p
-            mask[i, plen - len(p):] = True
-        mask[n:, -1] = True  # dummy rows: one real (pad) token, so no row attends to nothing
-
         if isinstance(keys, (int, np.integer)):
             keys = jax.random.split(jax.random.key(int(keys)), n)
         elif not (hasattr(keys, "dtype") and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)):
             keys = jax.random.wrap_key_data(jnp.asarray(keys, jnp.uint32))
         if keys.shape[0] != n:
             raise ValueError(f"got {keys.shape[0]} keys for {n} prompts")
-        if batch > n:
-            keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (batch - n,) + keys.shape[1:])])
-        live = np.arange(batch) < n
 
+        # Rows are split into `decode_streams` equal-shaped chunks (one compiled program), each run
+        # from its own thread: the decode loop is a chain of small, mostly single-threaded ops, and
+        # XLA's CPU runtime only overlaps separate executions launched from separate threads.
+        chunks = np.array_split(np.arange(n), min(cfg.decode_streams, n))
+        batch = _bucket(len(chunks[0]), cfg.min_batch_bucket)
+        plen = min(_bucket(int(lens.max()), cfg.min_prompt_bucket), cfg.max_prompt_len)
+        new_bucket = _bucket(max_new, 1)
         greedy = temperature == 0
-        out_tokens, out_lp, lengths, stopped = self._generate(
-            self.state, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(live), keys,
-            np.int32(max_new), np.float32(temperature or 1.0), np.float32(top_p),
-            new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else top_k,
-            use_top_p=(not greedy) and top_p < 1)
-        out_tokens, out_lp, lengths, stopped = jax.device_get((out_tokens, out_lp, lengths, stopped))
+        static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else top_k,
+                      use_top_p=(not greedy) and top_p < 1)
+        scalars = (np.int32(max_new), np.float32(temperature or 1.0), np.float32(top_p))
+        state = self.state
+
+        def run(rows: np.ndarray):
+            tokens = np.full((batch, plen), self.pad_id, np.int32)
+            mask = np.zeros((batch, plen), bool)
+            for r, i in enumerate(rows):
+                tokens[r, plen - lens[i]:] = prompts[i]
+                mask[r, plen - lens[i]:] = True
+            mask[len(rows):, -1] = True  # dummy rows: one real (pad) token, so no row attends to nothing
+            row_keys = keys[np.concatenate([rows, np.full(batch - len(rows), rows[0])])]
+            out = self._generate(state, tokens, mask, np.arange(batch) < len(rows), row_keys, *scalars, **static)
+            return [x[:len(rows)] for x in jax.device_get(out)]
+
+        key = (batch, plen, tuple(static.items()))
+        if key not in self._compiled:  # compile once, before any concurrent call could trace it again
+            outs = [run(chunks[0])]
+            self._compiled.add(key)
+            outs += list(self._pool.map(run, chunks[1:]))
+        else:
+            rest = [self._pool.submit(run, c) for c in chunks[1:]]
+            outs = [run(chunks[0])] + [f.result() for f in rest]
+        out_tokens, out_lp, lengths, stopped = (np.concatenate(x) for x in zip(*outs))
         return SampleResult(
-            tokens=out_tokens[:n, :max_new], logprobs=out_lp[:n, :max_new], lengths=lengths[:n],
-            finish_reasons=["stop" if s else "length" for s in stopped[:n]], prompt_lengths=lens)
+            tokens=out_tokens[:, :max_new], logprobs=out_lp[:, :max_new], lengths=lengths,
+            finish_reasons=["stop" if s else "length" for s in stopped], prompt_lengths=lens)
 
     def _generate_impl(self, state, tokens, mask, live, keys, max_new, temperature, top_p,
                        *, new_bucket, greedy, top_k, use_top_p):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled program
         model = nnx.merge(self.graphdef, state)
-        batch, plen = tokens.shape
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+        batch, plen = tokens.shape
+
+        # Step t of a row uses fold_in(row key, t): independent of the batch and of the bucket sizes.
+        # Drawn up front in one batched threefry call rather than once per decode step.
+        steps = jnp.arange(new_bucket)
+        uniforms = jax.vmap(lambda k: jax.vmap(lambda t: jax.random.uniform(jax.random.fold_in(k, t)))(steps))(keys)
 
         def sample(logits, step):
-            u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step)))(keys)
+            u = jax.lax.dynamic_index_in_dim(uniforms, step, axis=1, keepdims=False)
             return sample_logits(logits, u, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
 
-        def record(carry, step, tok, lp):
-            out_tok, out_lp, length, done, stopped = carry
+        def record(out, step, tok, lp):
+            out_tok, out_lp, length, done, stopped = out
             tok = jnp.where(done, self.pad_id, tok)
             lp = jnp.where(done, 0.0, lp)
             hit = ~done & jnp.isin(tok, eos)
@@ -248,11 +279,11 @@ class Sampler:
             out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, step))
             return out_tok, out_lp, length + (~done).astype(jnp.int32), done | hit, stopped | hit
 
-        # Prefill: the whole (left-padded) prompt into a cache sized for prompt + completion.
+        # Prefill into a prompt-sized cache (attention spans the prompt only), then pad it for the completion.
+        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(batch, plen), 0)
+        cache = jax.tree.map(lambda c: jnp.pad(c, ((0, 0), (0, 0), (0, new_bucket), (0, 0))), cache)
         key_mask = jnp.concatenate([mask, jnp.zeros((batch, new_bucket), bool)], axis=1)
         prompt_len = mask.sum(-1).astype(jnp.int32)
-        cache = model.init_cache(batch, plen + new_bucket)
-        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), key_mask, cache, 0)
         tok, lp = sample(model.logits(hidden[:, -1:])[:, 0], 0)
         out = (jnp.full((batch, new_bucket), self.pad_id, jnp.int32), jnp.zeros((batch, new_bucket), jnp.float32),
                jnp.zeros((batch,), jnp.int32), ~live, jnp.zeros((batch,), bool))
@@ -263,8 +294,9 @@ class Sampler:
             return (step < max_new) & ~jnp.all(out[3])
 
         def body(carry):
+            """Feed the token sampled at step - 1, sample the one at `step`."""
             step, cache, key_mask, out = carry
-            slot = plen + step - 1  # where the previous token goes; same for every row (left padding)
+            slot = plen + step - 1  # the same cache slot for every row, thanks to left padding
             prev = jax.lax.dynamic_slice_in_dim(out[0], step - 1, 1, axis=1)
             key_mask = jax.lax.dynamic_update_slice(key_mask, jnp.ones((batch, 1), bool), (0, slot))
             positions = (prompt_len + step - 1)[:, None]

@@ -7,7 +7,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import atexit
 import pathlib
+import shutil
+import tempfile
+
+# Many tests compile the same tiny programs (sampler, learner step) in fresh objects; a persistent
+# compilation cache shared by the whole session turns the repeats into cache hits.
+# A fresh directory per session: nothing carries over between runs, so every run compiles honestly.
+_CACHE_DIR = tempfile.mkdtemp(prefix="grpo_jax_xla_cache_")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest
 

@@ -184,20 +184,40 @@ def test_export_sharded_and_bfloat16(loaded, tmp_path):
     assert tok3 is None and back.config.param_dtype == "bfloat16"
 
 
-def test_qwen2_without_bias_exports_zero_bias(tmp_path):
-    cfg = ModelConfig(vocab_size=VOCAB, qkv_bias=False, architecture="qwen2")
-    # Random values into an abstract model: create_model's eager init takes seconds on CPU.
+def _random_model(cfg: ModelConfig, seed: int = 0):
+    """Random values into an abstract model: create_model's eager init takes seconds on CPU."""
     model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):
             var.set_value(jnp.asarray(0.3 * rng.standard_normal(var.get_value().shape), jnp.float32))
+    return model
+
+
+def test_qwen2_without_bias_exports_zero_bias(tmp_path):
+    model = _random_model(ModelConfig(vocab_size=VOCAB, qkv_bias=False, architecture="qwen2"))
     save_hf_model(model, tmp_path)
     again, _ = load_hf_model(tmp_path)
     assert again.config.qkv_bias  # Qwen2 always has biases; here they are zeros, so the function is equal
     np.testing.assert_array_equal(np.asarray(again.layers[0].attn.q_bias.get_value()), 0)
     tokens, mask = _batch("right")
     np.testing.assert_allclose(_forward_fn(again)(tokens, mask), _forward_fn(model)(tokens, mask), atol=1e-5)
+
+
+def test_llama_with_qkv_bias_exports_zero_o_bias(tmp_path):
+    model = _random_model(ModelConfig(vocab_size=VOCAB, qkv_bias=True, architecture="llama"))
+    save_hf_model(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert hf.config.attention_bias
+    tokens, mask = _batch("right")
+    assert np.abs(_torch_logits(hf, tokens, mask) - _forward_fn(model)(tokens, mask))[mask].max() <= 1e-4
+    # o_proj.bias has no place in our model: only all zeros can be dropped.
+    file = tmp_path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    tensors["model.layers.1.self_attn.o_proj.bias"][0] = 1.0
+    safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.o_proj\.bias' is nonzero"):
+        load_hf_model(tmp_path)
 
 
 # ---- config conversion ------------------------------------------------------------------------------------
@@ -223,6 +243,8 @@ def test_config_roundtrip_and_rope_formats():
         hf_config_to_model_config({**base, "num_key_value_heads": 3}, "cfg.json")
     with pytest.raises(CheckpointError, match=r"cfg.json.*hidden_size must be an integer"):
         hf_config_to_model_config({**base, "hidden_size": None}, "cfg.json")
+    with pytest.raises(CheckpointError, match=r"cfg.json.*bad value"):
+        hf_config_to_model_config({**base, "rms_norm_eps": "tiny"}, "cfg.json")
 
 
 # ---- bad checkpoints --------------------------------------------------------------------------------------

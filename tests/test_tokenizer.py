@@ -145,3 +145,15 @@ def test_bad_tokenizer_dirs(tok, tmp_path):
     path = _write_dir(tmp_path / "c", tok, chat_template="{% for %}")
     with pytest.raises(ValueError, match="syntax error"):
         Tokenizer.from_dir(path).apply_chat_template(MESSAGES)
+
+
+def test_char_level_tokenizer_round_trips_and_saves(tmp_path):
+    tok = Tokenizer.char_level("0123456789 +=:\nacdeprsvy")
+    text = "reverse: 381=\n"
+    ids = tok.encode(text)
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.eos_ids == (tok.vocab_size - 1,) and tok.pad_id == tok.eos_ids[0]
+    assert tok.decode(tok.encode("b")) == "<unk>"  # outside the alphabet: unk, not a crash
+    tok.save(tmp_path)
+    loaded = Tokenizer.from_dir(tmp_path)
+    assert loaded.encode(text) == ids and loaded.eos_ids == tok.eos_ids

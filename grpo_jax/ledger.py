@@ -1,0 +1,355 @@
+"""The prompt ledger RUN_DIR/events.jsonl (format: ../shared/reference/ledger.md, binding) and its audit.
+
+Writing: `Ledger` appends one JSON object per line ({"run", "seq", "event", ...}), flushed per line;
+`fsync()`/`covers()` make lines durable before a checkpoint may cover them. A torn last line (a crash
+mid-write) is cut off when the ledger is opened again: it was never complete, so nothing covers it.
+
+Reading: `audit(run_dir)` follows the surviving chain (the last run, then the run it resumed from up to
+the covered seq, and so on back to run 0; lines past a covered seq were undone by the restore) and
+reports prompts lost or trained twice. `python -m grpo_jax.ledger RUN_DIR` prints the summary and exits
+1 when the audit fails.
+
+Pure Python (no JAX).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+LEDGER_FILE = "events.jsonl"
+EVENT_KINDS = ("run_start", "train", "drop", "checkpoint")
+_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _line_id(run: Any, seq: Any) -> dict:
+    return {"run": int(run), "seq": int(seq)}
+
+
+def read_lines(path: Path) -> tuple[list[dict], list[str], list[str], int]:
+    """(parsed lines, warnings, errors, byte length of the complete lines). A final line without its
+    newline is torn (a crash mid-write): ignored with a warning. A complete line that is not a JSON
+    object with integer run/seq and a known event is an error and is skipped."""
+    data = path.read_bytes() if path.exists() else b""
+    complete_len = data.rfind(b"\n") + 1
+    warnings, errors, lines = [], [], []
+    if complete_len < len(data):
+        warnings.append(f"{path}: ignored an incomplete last line ({len(data) - complete_len} bytes, a crash mid-write)")
+    for number, raw in enumerate(data[:complete_len].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+            if not isinstance(line, dict):
+                raise ValueError("not a JSON object")
+            if not isinstance(line.get("run"), int) or not isinstance(line.get("seq"), int):
+                raise ValueError("run and seq must be integers")
+            if line.get("event") not in EVENT_KINDS:
+                raise ValueError(f"unknown event {line.get('event')!r}")
+        except ValueError as e:
+            errors.append(f"{path}:{number}: unreadable ledger line ({e}): {raw[:120]!r}")
+            continue
+        lines.append(line)
+    return lines, warnings, errors, complete_len
+
+
+class Ledger:
+    """Appends ledger lines for one process start (`run`) of a run directory. Thread-safe.
+
+    run: the lineage number; None = one more than the highest run already in the file (0 if none).
+    resumed_from: None on a fresh start, else {"step": S, "run": R, "seq": N}: the checkpoint step restored
+    and the last ledger line it covers (the collector state's `ledger_covers`, plus the step).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, run: int | None = None, resumed_from: dict | None = None):
+        self.path = Path(run_dir) / LEDGER_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        lines, warnings, errors, complete_len = read_lines(self.path)
+        for message in warnings + errors:
+            logger.warning("ledger: %s", message)
+        if self.path.exists() and complete_len < self.path.stat().st_size:
+            # Cut the torn tail off, else the next line would be glued to it and both become unreadable.
+            with open(self.path, "r+b") as f:
+                f.truncate(complete_len)
+        runs = {line["run"] for line in lines}
+        highest = max(runs, default=-1)
+        if run is None:
+            run = highest + 1
+        elif run <= highest:
+            raise ValueError(f"ledger {self.path}: run {run} is taken (highest run in the file is {highest})")
+        if resumed_from is not None:
+            resumed_from = {"step": int(resumed_from["step"]), **_line_id(resumed_from["run"], resumed_from["seq"])}
+            if resumed_from["run"] not in runs:
+                logger.warning(
+                    "ledger %s: resuming from run %d, which the ledger does not contain; the audit will "
+                    "report the chain as broken", self.path, resumed_from["run"],
+                )
+        self.run = int(run)
+        self._next_seq = 0
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._write("run_start", {"resumed_from": resumed_from})
+        self.fsync()
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def _write(self, event: str, fields: dict) -> dict:
+        with self._lock:
+            line = {"run": self.run, "seq": self._next_seq, "event": event, **fields}
+            self._file.write(json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n")
+            self._file.flush()  # per line: a crash loses at most the line being written
+            self._next_seq += 1
+            return _line_id(self.run, line["seq"])
+
+    def train(self, step: int, ordinals: Iterable[int], dataset_index: Iterable[int], epoch: Iterable[int], weight_version: Iterable[int]) -> dict:
+        """One learner step: the ordinals it trained, with their dataset index, epoch and weight version."""
+        ordinals, dataset_index = [int(o) for o in ordinals], [int(i) for i in dataset_index]
+        epoch, weight_version = [int(e) for e in epoch], [int(v) for v in weight_version]
+        if not len(ordinals) == len(dataset_index) == len(epoch) == len(weight_version):
+            raise ValueError("ledger train: ordinals, dataset_index, epoch and weight_version differ in length")
+        return self._write(
+            "train",
+            {"step": int(step), "ordinals": ordinals, "dataset_index": dataset_index, "epoch": epoch, "weight_version": weight_version},
+        )
+
+    def drop(self, ordinal: int, dataset_index: int, epoch: int, reason: str) -> dict:
+        """A prompt handed out that will not be trained; `reason` is a short stable word (e.g. bad_row)."""
+        if not _REASON.match(reason):
+            raise ValueError(f"ledger drop reason {reason!r}: use a short lowercase word like 'reward_error'")
+        return self._write("drop", {"ordinal": int(ordinal), "dataset_index": int(dataset_index), "epoch": int(epoch), "reason": reason})
+
+    def checkpoint(self, step: int, frontier_ordinal: int, covers: dict | None = None) -> dict:
+        """Record a committed checkpoint; returns its `covers`. Pass the `covers` taken with the collector
+        state (state["ledger_covers"]). None means the line just before this one, which is right only if
+        nothing was written between taking the collector state and now."""
+        with self._lock:
+            if covers is None:
+                covers = _line_id(self.run, self._next_seq - 1)
+            covers = _line_id(covers["run"], covers["seq"])
+        self._write("checkpoint", {"step": int(step), "frontier_ordinal": int(frontier_ordinal), "covers": covers})
+        self.fsync()
+        return covers
+
+    def fsync(self) -> None:
+        with self._lock:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def covers(self) -> dict:
+        """fsync, then {"run", "seq"} of the last line written: what a checkpoint taken now may cover."""
+        with self._lock:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            return _line_id(self.run, self._next_seq - 1)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The audit.
+
+
+@dataclasses.dataclass
+class AuditReport:
+    run_dir: str
+    handed_out: int = 0  # highest ordinal seen in the surviving chain + 1 (ordinals are handed out in order)
+    trained: int = 0  # distinct ordinals in train lines
+    dropped_by_reason: dict = dataclasses.field(default_factory=dict)  # distinct ordinals, by their first reason
+    frontier_ordinal: int = 0  # the highest frontier of a checkpoint whose covered line survives
+    lost: list = dataclasses.field(default_factory=list)  # below the frontier, in no train or drop line
+    trained_twice: list = dataclasses.field(default_factory=list)  # in two or more train lines
+    trained_and_dropped: list = dataclasses.field(default_factory=list)
+    unresolved: int = 0  # ordinals >= frontier seen but not accounted for yet (in flight at the end)
+    position_problems: list = dataclasses.field(default_factory=list)  # epoch/dataset_index inconsistencies
+    restarts: int = 0  # process starts after the first (all runs in the file)
+    chain: list = dataclasses.field(default_factory=list)  # [(run, last seq counted or None = all)], oldest first
+    warnings: list = dataclasses.field(default_factory=list)
+    errors: list = dataclasses.field(default_factory=list)  # unreadable lines, a broken chain
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.trained_twice or self.trained_and_dropped or self.position_problems or self.errors)
+
+    def summary(self) -> str:
+        def few(xs: list) -> str:
+            return "" if not xs else " " + (str(xs[:20]) + (f" ... ({len(xs)} in all)" if len(xs) > 20 else ""))
+
+        chain = " <- ".join(f"run {r}" + ("" if s is None else f" (to seq {s})") for r, s in reversed(self.chain))
+        dropped = sum(self.dropped_by_reason.values())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped_by_reason.items()))
+        lines = [
+            f"ledger audit of {self.run_dir}: {'OK' if self.ok else 'FAILED'}",
+            f"  prompts handed out:   {self.handed_out}",
+            f"  trained:              {self.trained}",
+            f"  dropped:              {dropped}" + (f" ({reasons})" if reasons else ""),
+            f"  lost:                 {len(self.lost)}{few(self.lost)}",
+            f"  trained twice:        {len(self.trained_twice)}{few(self.trained_twice)}",
+            f"  trained and dropped:  {len(self.trained_and_dropped)}{few(self.trained_and_dropped)}",
+            f"  frontier ordinal:     {self.frontier_ordinal} ({self.unresolved} above it not yet accounted for)",
+            f"  restarts:             {self.restarts}; surviving chain: {chain or '-'}",
+        ]
+        lines += [f"  position problem: {p}" for p in self.position_problems[:20]]
+        lines += [f"  error: {e}" for e in self.errors[:20]]
+        lines += [f"  warning: {w}" for w in self.warnings[:20]]
+        return "\n".join(lines)
+
+
+def _surviving_chain(by_run: dict[int, list[dict]], report: AuditReport) -> list[dict]:
+    """The lines that count, oldest first: the last run, plus each resumed-from run up to its covered seq."""
+    segments = []
+    run, upto = max(by_run), None
+    visited = set()
+    while True:
+        visited.add(run)
+        lines = by_run[run]
+        segments.append([line for line in lines if upto is None or line["seq"] <= upto])
+        report.chain.append((run, upto))
+        first = lines[0]
+        if first["seq"] != 0 or first["event"] != "run_start":
+            report.errors.append(f"run {run} does not begin with a run_start line at seq 0")
+            break
+        resumed = first.get("resumed_from")
+        if resumed is None:
+            break
+        try:
+            prev, upto = int(resumed["run"]), int(resumed["seq"])
+        except (KeyError, TypeError, ValueError):
+            report.errors.append(f"run {run}: malformed resumed_from {resumed!r}")
+            break
+        if prev >= run or prev in visited or prev not in by_run:
+            report.errors.append(f"run {run} resumed from run {prev}, which is not an earlier run in the ledger")
+            break
+        if upto > by_run[prev][-1]["seq"]:
+            report.errors.append(f"run {run} resumed from run {prev} seq {upto}, past that run's last line")
+        run = prev
+    report.chain.reverse()
+    return [line for segment in reversed(segments) for line in segment]
+
+
+def audit(run_dir: str | os.PathLike) -> AuditReport:
+    """Check RUN_DIR/events.jsonl against the ledger.md rules; see AuditReport for what is reported."""
+    path = Path(run_dir) / LEDGER_FILE
+    report = AuditReport(run_dir=str(run_dir))
+    if not path.exists():
+        report.errors.append(f"{path} does not exist")
+        return report
+    lines, report.warnings, report.errors, _ = read_lines(path)
+    if not lines:
+        report.errors.append(f"{path} holds no ledger lines")
+        return report
+
+    by_run: dict[int, list[dict]] = collections.defaultdict(list)
+    for line in lines:
+        by_run[line["run"]].append(line)
+    for run, run_lines in by_run.items():
+        seqs = [line["seq"] for line in run_lines]
+        if seqs != list(range(len(seqs))):
+            report.errors.append(f"run {run}: seq is not 0, 1, 2, ... in file order")
+    report.restarts = len(by_run) - 1
+    chain = _surviving_chain(by_run, report)
+    in_chain = {(line["run"], line["seq"]) for line in chain}
+
+    # A checkpoint counts when the line it covers survives: then everything it claims is in the chain.
+    # Its own line may lie past the covered seq (it is written after the commit), and still count.
+    for line in lines:
+        if line["event"] == "checkpoint":
+            covers = line.get("covers") or {}
+            if (covers.get("run"), covers.get("seq")) in in_chain:
+                report.frontier_ordinal = max(report.frontier_ordinal, int(line["frontier_ordinal"]))
+
+    train_lines: collections.Counter[int] = collections.Counter()
+    drop_reason: dict[int, str] = {}
+    position: dict[int, tuple[int, int]] = {}
+
+    def note_position(ordinal: int, epoch: int, index: int) -> None:
+        seen = position.setdefault(ordinal, (epoch, index))
+        if seen != (epoch, index):
+            report.position_problems.append(f"ordinal {ordinal} is (epoch, dataset_index) {seen} and also {(epoch, index)}")
+
+    for line in chain:
+        try:
+            if line["event"] == "train":
+                for o, e, i in zip(line["ordinals"], line["epoch"], line["dataset_index"], strict=True):
+                    train_lines[int(o)] += 1
+                    note_position(int(o), int(e), int(i))
+            elif line["event"] == "drop":
+                o = int(line["ordinal"])
+                drop_reason.setdefault(o, str(line["reason"]))
+                note_position(o, int(line["epoch"]), int(line["dataset_index"]))
+        except (KeyError, TypeError, ValueError) as e:
+            report.errors.append(f"run {line['run']} seq {line['seq']}: malformed {line['event']} line ({e})")
+
+    report.trained = len(train_lines)
+    report.trained_twice = sorted(o for o, n in train_lines.items() if n > 1)
+    report.trained_and_dropped = sorted(o for o in drop_reason if o in train_lines)
+    report.dropped_by_reason = dict(collections.Counter(r for o, r in drop_reason.items() if o not in train_lines))
+    accounted = set(train_lines) | set(drop_reason)
+    report.handed_out = max(accounted, default=-1) + 1
+    report.lost = [o for o in range(report.frontier_ordinal) if o not in accounted]
+    report.unresolved = sum(1 for o in range(report.frontier_ordinal, report.handed_out) if o not in accounted)
+    _check_epochs(position, report)
+    return report
+
+
+def _check_epochs(position: dict[int, tuple[int, int]], report: AuditReport) -> None:
+    """Each (epoch, dataset_index) at one ordinal; epochs never go back as ordinals rise; and every epoch
+    fully accounted for (a later epoch starts below the frontier) holds the same dataset indices."""
+    where: dict[tuple[int, int], int] = {}
+    for o in sorted(position):
+        first = where.setdefault(position[o], o)
+        if first != o:
+            report.position_problems.append(f"(epoch, dataset_index) {position[o]} at ordinals {first} and {o}")
+    ordered = [position[o][0] for o in sorted(position)]
+    if any(a > b for a, b in zip(ordered, ordered[1:])):
+        report.position_problems.append("epochs go backwards as ordinals rise: the data order changed between restarts")
+    below = [position[o] for o in sorted(position) if o < report.frontier_ordinal]
+    if not below:
+        return
+    last_epoch = max(e for e, _ in below)
+    indices: dict[int, set[int]] = collections.defaultdict(set)
+    for e, i in below:
+        indices[e].add(i)
+    full = {e: s for e, s in indices.items() if e < last_epoch}
+    reference = max(full.values(), key=len, default=None)
+    for e, s in sorted(full.items()):
+        if s != reference:
+            report.position_problems.append(
+                f"epoch {e} is fully accounted for but misses dataset indices {sorted(reference - s)[:20]}"
+            )
+    if reference is not None and reference != set(range(len(reference))):
+        report.warnings.append(f"a full epoch holds dataset indices that are not 0..{len(reference) - 1}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m grpo_jax.ledger RUN_DIR", file=sys.stderr)
+        return 2
+    report = audit(argv[0])
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The prompt ledger (ledger.md): line format, run numbering, torn last lines, and the audit's surviving
+chain across restarts. No JAX."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_jax.ledger import LEDGER_FILE, Ledger, audit, main
+
+
+def read(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / LEDGER_FILE).read_text().splitlines()]
+
+
+def train(ledger: Ledger, step: int, ordinals: list[int], epoch: int = 0, version: int = 0) -> dict:
+    return ledger.train(step, ordinals, dataset_index=ordinals, epoch=[epoch] * len(ordinals), weight_version=[version] * len(ordinals))
+
+
+def test_lines_follow_the_format_and_are_flushed_one_by_one(tmp_path):
+    ledger = Ledger(tmp_path)
+    assert read(tmp_path) == [{"run": 0, "seq": 0, "event": "run_start", "resumed_from": None}]
+    assert ledger.train(1, [0, 1], dataset_index=[7, 3], epoch=[0, 0], weight_version=[0, 0]) == {"run": 0, "seq": 1}
+    ledger.drop(2, dataset_index=5, epoch=0, reason="reward_error")
+    covers = ledger.covers()
+    assert ledger.checkpoint(1, frontier_ordinal=3, covers=covers) == {"run": 0, "seq": 2}
+    lines = read(tmp_path)  # readable while the ledger is still open: flushed per line
+    assert [(x["run"], x["seq"], x["event"]) for x in lines] == [
+        (0, 0, "run_start"), (0, 1, "train"), (0, 2, "drop"), (0, 3, "checkpoint")
+    ]
+    assert lines[1] == {"run": 0, "seq": 1, "event": "train", "step": 1, "ordinals": [0, 1], "dataset_index": [7, 3],
+                        "epoch": [0, 0], "weight_version": [0, 0]}
+    assert lines[2] == {"run": 0, "seq": 2, "event": "drop", "ordinal": 2, "dataset_index": 5, "epoch": 0, "reason": "reward_error"}
+    assert lines[3] == {"run": 0, "seq": 3, "event": "checkpoint", "step": 1, "frontier_ordinal": 3, "covers": {"run": 0, "seq": 2}}
+    with pytest.raises(ValueError, match="reason"):
+        ledger.drop(3, dataset_index=1, epoch=0, reason="Reward Error!")
+    with pytest.raises(ValueError, match="length"):
+        ledger.train(2, [3, 4], dataset_index=[1], epoch=[0, 0], weight_version=[0, 0])
+    ledger.close()
+
+
+def test_the_run_number_continues_from_the_file(tmp_path):
+    Ledger(tmp_path).close()
+    second = Ledger(tmp_path, resumed_from={"step": 0, "run": 0, "seq": 0})
+    assert second.run == 1
+    second.close()
+    assert read(tmp_path)[-1] == {"run": 1, "seq": 0, "event": "run_start", "resumed_from": {"step": 0, "run": 0, "seq": 0}}
+    with pytest.raises(ValueError, match="taken"):
+        Ledger(tmp_path, run=1)
+    assert Ledger(tmp_path, run=5).run == 5
+
+
+def test_a_torn_last_line_is_ignored_by_the_audit_and_cut_off_on_reopen(tmp_path):
+    ledger = Ledger(tmp_path)
+    train(ledger, 1, [0, 1])
+    ledger.checkpoint(1, 2, ledger.covers())
+    ledger.close()
+    with open(tmp_path / LEDGER_FILE, "ab") as f:
+        f.write(b'{"run":0,"seq":3,"event":"train","step":2,"ordinals":[2,')  # crash mid-write
+    report = audit(tmp_path)
+    assert report.ok, report.summary()
+    assert any("incomplete last line" in w for w in report.warnings)
+    assert report.trained == 2 and report.handed_out == 2
+
+    resumed = Ledger(tmp_path, resumed_from={"step": 1, "run": 0, "seq": 1})
+    train(resumed, 2, [2, 3])
+    resumed.checkpoint(2, 4, resumed.covers())
+    resumed.close()
+    lines = read(tmp_path)  # every line parses: the torn tail was cut off, not glued to
+    assert [(x["run"], x["seq"]) for x in lines] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    report = audit(tmp_path)
+    assert report.ok and report.warnings == [] and report.trained == 4 and report.frontier_ordinal == 4
+
+
+def crashed_run_0(tmp_path) -> dict:
+    """Run 0 trains 0-1, drops 2, checkpoints, trains 3-4, then dies before its next checkpoint."""
+    ledger = Ledger(tmp_path)
+    train(ledger, 1, [0, 1])
+    ledger.drop(2, dataset_index=2, epoch=0, reason="overlong")
+    covers = ledger.covers()
+    ledger.checkpoint(1, 3, covers)
+    train(ledger, 2, [3, 4])  # undone by the restore: past the covered seq
+    ledger.close()
+    return covers
+
+
+def test_chain_across_restarts_ignores_undone_lines(tmp_path):
+    covers = crashed_run_0(tmp_path)
+    ledger = Ledger(tmp_path, resumed_from={"step": 1, **covers})
+    train(ledger, 2, [3, 4], version=1)  # trained again: fine, the first time was undone
+    train(ledger, 3, [5, 6], version=2)
+    ledger.checkpoint(3, 7, ledger.covers())
+    ledger.close()
+    report = audit(tmp_path)
+    assert report.ok, report.summary()
+    assert report.chain == [(0, covers["seq"]), (1, None)]
+    assert report.restarts == 1 and report.trained == 6 and report.dropped_by_reason == {"overlong": 1}
+    assert report.trained_twice == [] and report.lost == [] and report.frontier_ordinal == 7 and report.handed_out == 7
+    assert main([str(tmp_path)]) == 0
+
+
+def test_resuming_past_the_covered_line_shows_up_as_trained_twice(tmp_path, capsys):
+    crashed_run_0(tmp_path)
+    ledger = Ledger(tmp_path, resumed_from={"step": 2, "run": 0, "seq": 4})  # claims the undone line too
+    train(ledger, 2, [3, 4], version=1)
+    ledger.checkpoint(2, 5, ledger.covers())
+    ledger.close()
+    report = audit(tmp_path)
+    assert not report.ok and report.trained_twice == [3, 4]
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "trained twice:        2 [3, 4]" in out
+
+
+def test_lost_prompts_below_the_frontier_fail_the_audit(tmp_path):
+    covers = crashed_run_0(tmp_path)
+    ledger = Ledger(tmp_path, resumed_from={"step": 1, **covers})
+    train(ledger, 2, [4, 5], version=1)  # 3 never comes back
+    ledger.checkpoint(2, 6, ledger.covers())
+    ledger.close()
+    report = audit(tmp_path)
+    assert not report.ok and report.lost == [3]
+    assert "lost:                 1 [3]" in report.summary()
+
+
+def test_restart_from_an_older_checkpoint_abandons_a_whole_run(tmp_path):
+    covers = crashed_run_0(tmp_path)
+    run1 = Ledger(tmp_path, resumed_from={"step": 1, **covers})
+    train(run1, 2, [3, 4], version=1)
+    run1.checkpoint(2, 5, run1.covers())
+    run1.close()
+    run2 = Ledger(tmp_path, resumed_from={"step": 1, **covers})  # run 1's checkpoint was lost: start from run 0's
+    assert run2.run == 2
+    train(run2, 2, [3, 4], version=1)
+    run2.checkpoint(2, 5, run2.covers())
+    run2.close()
+    report = audit(tmp_path)
+    assert report.ok, report.summary()
+    assert report.chain == [(0, covers["seq"]), (2, None)] and report.restarts == 2
+
+
+def test_the_checkpoint_a_run_resumed_from_counts_even_if_its_line_was_written_past_the_cover(tmp_path):
+    covers = crashed_run_0(tmp_path)  # its checkpoint line (frontier 3) comes after the covered seq
+    Ledger(tmp_path, resumed_from={"step": 1, **covers}).close()  # crashed again at once
+    report = audit(tmp_path)
+    assert report.frontier_ordinal == 3 and report.ok and report.unresolved == 0
+
+
+def test_trained_and_dropped_and_position_problems(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.train(1, [0, 1], dataset_index=[4, 4], epoch=[0, 0], weight_version=[0, 0])  # one index twice
+    ledger.drop(1, dataset_index=9, epoch=0, reason="zero_variance")  # trained and dropped; other index
+    ledger.checkpoint(1, 2, ledger.covers())
+    ledger.close()
+    report = audit(tmp_path)
+    assert not report.ok
+    assert report.trained_and_dropped == [1]
+    assert any("ordinal 1 is (epoch, dataset_index) (0, 4) and also (0, 9)" in p for p in report.position_problems)
+    assert any("(0, 4) at ordinals 0 and 1" in p for p in report.position_problems)
+
+
+def test_a_full_epoch_must_hold_every_dataset_index(tmp_path):
+    ledger = Ledger(tmp_path)
+    ledger.train(1, [0, 1, 2], dataset_index=[2, 0, 1], epoch=[0, 0, 0], weight_version=[0, 0, 0])
+    ledger.train(2, [3, 4, 5], dataset_index=[1, 2, 0], epoch=[1, 1, 1], weight_version=[1, 1, 1])
+    ledger.train(3, [6, 7], dataset_index=[0, 2], epoch=[2, 2], weight_version=[2, 2])  # epoch 2 misses 1
+    ledger.train(4, [8], dataset_index=[0], epoch=[3], weight_version=[3])
+    ledger.checkpoint(4, 9, ledger.covers())
+    ledger.close()
+    report = audit(tmp_path)
+    assert report.position_problems == ["epoch 2 is fully accounted for but misses dataset indices [1]"]
+
+
+def test_unreadable_middle_lines_and_missing_files_are_errors(tmp_path):
+    assert not audit(tmp_path).ok  # no ledger at all
+    ledger = Ledger(tmp_path)
+    ledger.close()
+    with open(tmp_path / LEDGER_FILE, "a") as f:
+        f.write("not json\n")
+    report = audit(tmp_path)
+    assert not report.ok and "unreadable ledger line" in report.errors[0]

@@ -1,0 +1,232 @@
+"""Replay buffer: staleness bound, regeneration, admission arithmetic, max_staleness 0 = synchronous GRPO,
+close() waking waiters, plain-JSON checkpoints. No JAX."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from grpo_jax.replay_buffer import Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+
+
+def group(ordinal: int, weight_version: int = 0, **kw) -> Group:
+    return Group(
+        ordinal=ordinal,
+        prompt={"dataset_index": ordinal, "epoch": 0, "prompt_ids": [1, 2]},
+        completions=[[5, 6, 7], [8]],
+        behaviour_logprobs=[[-0.1, -0.2, -0.3], [-1.0]],
+        rewards=[1.0, 0.0],
+        weight_version=weight_version,
+        **kw,
+    )
+
+
+def test_take_is_oldest_ordinal_first_and_waits_for_a_full_step():
+    b = ReplayBuffer(capacity=8, max_staleness=1, prompts_per_step=2)
+    for o in [5, 2, 9]:
+        b.put(group(o))
+    taken = b.take(2, current_version=0, timeout=0)
+    assert [g.ordinal for g in taken.groups] == [2, 5] and taken.too_stale == [] and not taken.drained
+    with pytest.raises(ReplayBufferTimeout):
+        b.take(2, current_version=1, timeout=0.01)  # only 9 left
+    assert b.ordinals() == [9]
+
+
+def test_too_stale_groups_are_handed_back_for_regeneration_never_evicted_silently():
+    b = ReplayBuffer(capacity=8, max_staleness=1, prompts_per_step=2)
+    b.put(group(0, weight_version=0))
+    b.put(group(1, weight_version=2))
+    b.put(group(2, weight_version=1))
+    # at version 2: staleness 2, 0, 1 -> 0 is too stale; 1 and 2 are trainable
+    taken = b.take(2, current_version=2, timeout=0)
+    assert [g.ordinal for g in taken.groups] == [1, 2]
+    assert [g.ordinal for g in taken.too_stale] == [0]
+    assert len(b) == 0
+    # staleness exactly max_staleness is allowed
+    b.put(group(3, weight_version=1))
+    b.put(group(4, weight_version=1))
+    assert [g.ordinal for g in b.take(2, current_version=2).groups] == [3, 4]
+
+
+def test_stale_groups_come_back_at_once_even_without_a_full_step():
+    b = ReplayBuffer(capacity=8, max_staleness=0, prompts_per_step=2)
+    b.put(group(0, weight_version=0))
+    b.put(group(1, weight_version=1))
+    start = time.monotonic()
+    taken = b.take(2, current_version=1, timeout=5)  # must not wait for a second fresh group
+    assert time.monotonic() - start < 1
+    assert taken.groups == [] and [g.ordinal for g in taken.too_stale] == [0]
+    # regenerated with the current weights, it is trainable
+    b.put(group(0, weight_version=1, regenerations=1))
+    taken = b.take(2, current_version=1, timeout=0)
+    assert [(g.ordinal, g.regenerations) for g in taken.groups] == [(0, 1), (1, 0)]
+
+
+def test_admission_arithmetic():
+    b = ReplayBuffer(capacity=8, max_staleness=1, prompts_per_step=2)
+    # learner at version 0, actor at 0: groups 1-2 land in step 0, groups 3-4 in step 1 (staleness 1)
+    assert [b.next_target_step(n) for n in (1, 2, 3, 4, 5)] == [0, 0, 1, 1, 2]
+    assert b.may_generate(1, 0) and not b.may_generate(2, 0)
+    assert b.reserve(4, actor_version=0)
+    assert not b.reserve(1, actor_version=0)  # would be trained at step 2 with version-0 weights
+    assert b.reserved == 4
+    for o in range(4):
+        b.put(group(o, weight_version=0))  # each put consumes a reservation
+    assert b.reserved == 0 and len(b) == 4
+    b.take(2, current_version=0)  # the learner moves on: its next step is version 1
+    assert b.learner_version == 1
+    assert not b.reserve(1, actor_version=0)  # needs newer weights: it would be trained at 2
+    assert b.reserve(2, actor_version=1)
+    b.release(2)  # both prompts dropped before generation finished
+    assert b.reserved == 0 and b.reserve(2, actor_version=1)
+
+
+def test_max_staleness_0_is_synchronous_grpo_through_the_same_code():
+    """An actor thread and the learner, the actor only on weights it has seen published. With
+    max_staleness 0 every group of step k is generated with version k and trained at version k; no group
+    ever goes stale; the actor never runs ahead of the learner."""
+    P, steps = 3, 6
+    buffer = ReplayBuffer(capacity=P, max_staleness=0, prompts_per_step=P)
+    published = {"version": 0}
+    weights = threading.Condition()
+    generated_at: list[tuple[int, int]] = []  # (ordinal, learner version seen when generation started)
+
+    def actor():
+        version, ordinal = 0, 0
+        try:
+            while ordinal < P * steps:
+                while not buffer.reserve(1, version):
+                    with weights:  # wait for weights newer than ours
+                        weights.wait_for(lambda: published["version"] > version, timeout=5)
+                        version = published["version"]
+                generated_at.append((ordinal, buffer.learner_version))
+                buffer.put(group(ordinal, weight_version=version), timeout=5)
+                ordinal += 1
+        except BaseException as e:  # an actor that dies must wake the learner
+            buffer.close(e)
+            raise
+
+    thread = threading.Thread(target=actor, daemon=True)
+    thread.start()
+    for version in range(steps):
+        taken = buffer.take(P, current_version=version, timeout=5)
+        assert taken.too_stale == []
+        assert [g.weight_version for g in taken.groups] == [version] * P
+        assert [g.ordinal for g in taken.groups] == list(range(version * P, (version + 1) * P))
+        time.sleep(0.01)  # a slow update: the actor must not run ahead meanwhile
+        assert len(buffer) == 0 and buffer.reserved == 0
+        with weights:
+            published["version"] = version + 1
+            weights.notify_all()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert all(o // P == v for o, v in generated_at)  # step k's groups generated while the learner was at k
+
+
+def test_put_blocks_when_full_until_the_learner_takes():
+    b = ReplayBuffer(capacity=2, max_staleness=3, prompts_per_step=2)
+    b.put(group(0))
+    b.put(group(1))
+    with pytest.raises(ReplayBufferTimeout, match="full"):
+        b.put(group(2), timeout=0.01)
+    done = threading.Event()
+
+    def producer():
+        b.put(group(2), timeout=5)
+        done.set()
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    assert not done.is_set()
+    b.take(2, current_version=0)
+    assert done.wait(5) and b.ordinals() == [2]
+    with pytest.raises(ValueError, match="already in the buffer"):
+        b.put(group(2))
+
+
+@pytest.mark.parametrize("waiter", ["take", "put"])
+def test_close_with_an_error_wakes_waiters_with_a_clear_error(waiter):
+    b = ReplayBuffer(capacity=2, max_staleness=1, prompts_per_step=2)
+    if waiter == "put":
+        b.put(group(0))
+        b.put(group(1))
+    errors = []
+
+    def wait():
+        try:
+            b.take(2, current_version=0) if waiter == "take" else b.put(group(2))
+        except ReplayBufferClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive()  # blocked (no timeout given)
+    b.close(RuntimeError("actor died: CUDA error"))
+    t.join(5)
+    assert not t.is_alive()
+    assert len(errors) == 1 and "actor died" in str(errors[0])
+    assert isinstance(errors[0].__cause__, RuntimeError)
+    with pytest.raises(ReplayBufferClosed):
+        b.reserve(1, 0)
+
+
+def test_close_without_error_drains_a_short_last_step():
+    b = ReplayBuffer(capacity=4, max_staleness=1, prompts_per_step=4)
+    assert b.reserve(2, 0)
+    b.put(group(3))
+    b.close()  # the actor finished: the group still reserved will never come
+    taken = b.take(4, current_version=0, timeout=0)
+    assert [g.ordinal for g in taken.groups] == [3] and taken.drained
+    assert b.take(4, current_version=1, timeout=0) == type(taken)([], [], drained=True)
+    with pytest.raises(ReplayBufferClosed):
+        b.put(group(4))
+
+
+def test_state_is_plain_json_and_round_trips_arrays():
+    b = ReplayBuffer(capacity=4, max_staleness=2, prompts_per_step=2, learner_version=7)
+    g = Group(
+        ordinal=11,
+        prompt={"dataset_index": 3, "epoch": 1, "prompt_ids": np.array([4, 5, 6], dtype=np.int32)},
+        completions=[np.array([1, 2, 3], dtype=np.int32), np.array([9], dtype=np.int32)],
+        behaviour_logprobs=[np.array([-0.5, -0.25, -1.5], dtype=np.float32), np.array([-2.0], dtype=np.float32)],
+        rewards=np.array([1.0, 0.5], dtype=np.float32),
+        weight_version=6,
+        regenerations=2,
+        extras={"mask": np.ones((2, 3), dtype=bool), "raw": b"\x00\x01"},
+    )
+    b.put(g)
+    b.put(group(4, weight_version=7))
+    state = json.loads(json.dumps(b.to_state(), allow_nan=False))
+    assert state["ordinals"] == [4, 11]
+    r = ReplayBuffer.from_state(state)
+    assert (r.capacity, r.max_staleness, r.prompts_per_step, r.learner_version) == (4, 2, 2, 7)
+    back = {x.ordinal: x for x in r.take(2, current_version=7).groups}[11]
+    assert back.prompt["prompt_ids"].dtype == np.int32 and back.prompt["prompt_ids"].tolist() == [4, 5, 6]
+    assert [c.tolist() for c in back.completions] == [[1, 2, 3], [9]]
+    assert back.behaviour_logprobs[0].dtype == np.float32 and back.behaviour_logprobs[0].tolist() == [-0.5, -0.25, -1.5]
+    assert back.extras["mask"].shape == (2, 3) and back.extras["raw"] == b"\x00\x01"
+    assert (back.weight_version, back.regenerations) == (6, 2)
+    unsaveable = ReplayBuffer(4, 1, 2)
+    unsaveable.put(group(0, extras={"f": object()}))
+    with pytest.raises(TypeError, match="group.extras.f: object cannot be saved"):
+        unsaveable.to_state()
+
+
+def test_bfloat16_arrays_survive_the_state():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    b = ReplayBuffer(capacity=2, max_staleness=0, prompts_per_step=1)
+    b.put(group(0, extras={"lp": np.array([0.5, -1.25], dtype=ml_dtypes.bfloat16)}))
+    r = ReplayBuffer.from_state(json.loads(json.dumps(b.to_state())))
+    lp = r.take(1, 0).groups[0].extras["lp"]
+    assert lp.dtype == ml_dtypes.bfloat16 and lp.astype(np.float32).tolist() == [0.5, -1.25]
+
+
+def test_constructor_refuses_a_capacity_that_fits_no_step():
+    with pytest.raises(ValueError, match="capacity"):
+        ReplayBuffer(capacity=3, max_staleness=0, prompts_per_step=4)

@@ -1,0 +1,135 @@
+"""End-to-end async trainer runs on tiny models: meshes, ledger accounting, health checks, epochs."""
+
+import json
+import pathlib
+
+import jax
+import pytest
+
+from grpo_jax.config import Config
+from grpo_jax.config_io import load_config
+from grpo_jax.ledger import audit
+from grpo_jax.metrics import REQUIRED_KEYS
+from grpo_jax.trainer import Trainer, TrainerError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FAST = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "grpo.group_size=4",
+        "grpo.prompts_per_step=4", "trainer.progress=false", "trainer.group_timeout_s=120",
+        "sampler.max_new_tokens=6"]
+
+
+def tiny_config(tmp_path, *overrides) -> Config:
+    return load_config(Config, REPO / "configs" / "tiny_cpu.yaml",
+                       FAST + [f"run_dir={tmp_path}"] + list(overrides))
+
+
+def read_ledger(run_dir):
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / "events.jsonl").read_text().splitlines()]
+
+
+def assert_every_ordinal_accounted_once(run_dir):
+    lines = read_ledger(run_dir)
+    trained = [o for line in lines if line["event"] == "train" for o in line["ordinals"]]
+    dropped = [line["ordinal"] for line in lines if line["event"] == "drop"]
+    assert len(trained) == len(set(trained)), "an ordinal was trained twice"
+    assert not set(trained) & set(dropped), "an ordinal was both trained and dropped"
+    accounted = sorted(trained + dropped)
+    assert accounted == list(range(len(accounted))), "the handed-out ordinals have a hole"
+    report = audit(run_dir)
+    assert report.ok, report.summary()
+    return trained, dropped
+
+
+def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
+    assert jax.device_count() == 8
+    config = tiny_config(tmp_path, "mesh.actor_devices=4", "mesh.learner.fsdp=2", "mesh.learner.tensor=2",
+                         "mesh.actor.fsdp=4", "trainer.max_steps=6", "grpo.max_staleness=2")
+    trainer = Trainer(config)
+    assert len(trainer.actor_mesh.devices.flat) == 4 and len(trainer.learner_mesh.devices.flat) == 4
+    assert not set(trainer.actor_mesh.devices.flat) & set(trainer.learner_mesh.devices.flat)
+    history = trainer.train()
+    assert [m["step"] for m in history] == list(range(1, 7))
+    for m in history:
+        assert set(REQUIRED_KEYS) <= set(m)
+        assert m["staleness/max"] <= 2
+        assert m["sync/bytes"] > 0
+    trained, _ = assert_every_ordinal_accounted_once(tmp_path)
+    assert len(trained) == 6 * 4
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and rows[-1]["step"] == 6
+    assert list((tmp_path / "tb").iterdir()), "no TensorBoard event file"
+    assert (tmp_path / "config.yaml").is_file()
+    # The learner's and the actor's copy of the weights agree after the last sync.
+    learner_leaf = jax.tree.leaves(trainer.learner.params)[0]
+    actor_leaf = jax.tree.leaves(trainer.sampler.state)[0]
+    assert set(actor_leaf.sharding.device_set) <= set(trainer.actor_mesh.devices.flat)
+    assert (jax.device_get(learner_leaf) == jax.device_get(actor_leaf)).all()
+
+    from grpo_jax.plot import plot_run
+    names = {p.name for p in plot_run(tmp_path)}
+    assert {"reward.png", "kl.png", "lengths.png", "staleness.png", "throughput.png"} <= names
+
+
+def test_synchronous_run_on_shared_devices_is_on_policy(tmp_path):
+    config = tiny_config(tmp_path, "grpo.max_staleness=0", "trainer.max_steps=4", "mesh.learner.fsdp=8",
+                         "mesh.actor.fsdp=8")
+    history = Trainer(config).train()
+    assert len(history) == 4
+    assert all(m["staleness/max"] == 0 for m in history)
+    assert_every_ordinal_accounted_once(tmp_path)
+
+
+def test_finite_epochs_end_cleanly_with_every_index_once(tmp_path):
+    config = tiny_config(tmp_path, "data.num_epochs=2", "data.synthetic_size=10", "trainer.max_steps=100")
+    history = Trainer(config).train()
+    trained, dropped = assert_every_ordinal_accounted_once(tmp_path)
+    assert len(trained) + len(dropped) == 20  # two epochs of 10, nothing lost, no deadlock at the end
+    lines = read_ledger(tmp_path)
+    positions = [(e, i) for line in lines if line["event"] == "train" for e, i in zip(line["epoch"], line["dataset_index"])]
+    positions += [(line["epoch"], line["dataset_index"]) for line in lines if line["event"] == "drop"]
+    assert sorted(positions) == [(e, i) for e in range(2) for i in range(10)]
+    assert history and history[-1]["step"] <= 5
+
+
+def test_actor_failure_stops_the_learner_with_its_error(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path, "trainer.max_steps=3")
+    trainer = Trainer(config)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(trainer.sampler, "generate", broken)
+    with pytest.raises(TrainerError, match="actor thread failed.*sampler exploded"):
+        trainer.train()
+
+
+def test_no_groups_within_the_timeout_is_a_clear_error(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path, "trainer.max_steps=3", "trainer.group_timeout_s=1")
+    trainer = Trainer(config)
+    import threading
+    release = threading.Event()
+
+    def hang(*args, **kwargs):
+        release.wait(5)
+        raise RuntimeError("released")
+
+    monkeypatch.setattr(trainer.sampler, "generate", hang)
+    try:
+        with pytest.raises(TrainerError, match="no full step of 4 groups arrived within trainer.group_timeout_s=1"):
+            trainer.train()
+    finally:
+        release.set()
+
+
+def test_bad_rows_are_dropped_with_a_reason(tmp_path, gsm8k_dir):
+    data = tmp_path / "data.jsonl"
+    rows = [json.dumps({"question": "copy: 12=", "answer": "12"})] * 6
+    rows[1] = "{not json"
+    rows[3] = json.dumps({"answer": "3"})
+    data.write_text("\n".join(rows) + "\n")
+    config = tiny_config(tmp_path / "run", f"data.path={data}", "data.source=jsonl", "data.prompt_field=question",
+                         "data.num_epochs=1", "trainer.max_steps=10")
+    Trainer(config).train()
+    drops = {line["dataset_index"]: line["reason"] for line in read_ledger(tmp_path / "run") if line["event"] == "drop"}
+    assert drops.get(1) == "bad_row" and drops.get(3) == "bad_row"
+    assert_every_ordinal_accounted_once(tmp_path / "run")

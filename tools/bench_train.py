@@ -1,0 +1,292 @@
+"""Learner throughput and model FLOP utilisation (MFU) on the local device (meant for CPU).
+
+Runs the real `Learner.step` (jitted, AdamW, GRPO loss, TIS on, no KL) on a synthetic packed batch
+and compares its model FLOP/s with the peak FLOP/s of a large float32 matmul measured in the same run
+on the same machine.
+
+Model FLOPs of one step, counted analytically from the config (T = positions the model runs per row,
+i.e. the packed length minus one; B = rows; E, H, KV, D, M, V, L as in ModelConfig):
+
+    N_matmul = L * (E*H*D + 2*E*KV*D + H*D*E + 3*E*M) + E*V     (projection, MLP and LM-head weights;
+                                                               the embedding lookup is a gather, 0 FLOPs)
+    dense     = 6 * N_matmul * B*T          forward 2 FLOPs per weight per token, backward 4
+    attention = 12 * L * B * T^2 * H * D    forward QK^T and PV are 2*T^2*H*D each (the full T x T square
+                                            that the model computes, causal mask or not), backward twice that
+    model FLOPs per step = dense + attention
+
+Norms, RoPE, softmax, the loss and the optimizer are not counted (they are O(params) or O(B*T*(E+V)),
+a small share at these sizes). The XLA cost analysis of the compiled step is printed next to it as a
+cross-check; it also counts elementwise work, so it is somewhat larger.
+
+Peak: a jitted N x N @ N x N float32 matmul (2*N^3 FLOPs, N = --peak-n, default 2048), timed
+(median of --peak-repeats calls) right before each timed step, so that steps and peak share the same
+machine state; the peak reported is the median of those. The machine may be shared: the load average
+is printed at the start and the end, and the MFU of each step against its own peak is printed too.
+
+    python tools/bench_train.py                 # default size, ~1-3 s steps on 2 CPU cores
+    python tools/bench_train.py --breakdown     # also time forward, forward+backward, optimizer apart
+
+XLA flags: --xla-flags is appended to XLA_FLAGS before jax is imported (only in this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--vocab", type=int, default=8192)
+    m.add_argument("--hidden", type=int, default=768)
+    m.add_argument("--intermediate", type=int, default=2048)
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--heads", type=int, default=12)
+    m.add_argument("--kv-heads", type=int, default=4)
+    m.add_argument("--head-dim", type=int, default=0, help="0: hidden // heads")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    m.add_argument("--remat", action="store_true")
+    b = p.add_argument_group("batch")
+    b.add_argument("--batch", type=int, default=4, help="sequences per step")
+    b.add_argument("--seq", type=int, default=256,
+                   help="positions the model runs per row (packed length is seq + 1)")
+    b.add_argument("--prompt-frac", type=float, default=0.25, help="share of the packed row that is prompt")
+    b.add_argument("--micro", type=int, default=0, help="optim.micro_batch_size (0: whole batch)")
+    b.add_argument("--ragged", action="store_true",
+                   help="random prompt/completion lengths (padding is still computed; default: full rows)")
+    r = p.add_argument_group("run")
+    r.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    r.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
+    r.add_argument("--peak-repeats", type=int, default=5, help="matmuls per peak measurement (median)")
+    r.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for this process")
+    r.add_argument("--no-cost-analysis", action="store_true", help="skip the XLA cost-analysis cross-check")
+    r.add_argument("--breakdown", action="store_true",
+                   help="also time forward, forward(+entropy), forward+backward and the optimizer apart")
+    r.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.xla_flags:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ARGS.xla_flags).strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.losses import LossConfig  # noqa: E402
+from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
+
+
+def model_flops(c: ModelConfig, batch: int, seq: int) -> dict[str, float]:
+    """Analytic forward+backward FLOPs of one step (see the module docstring)."""
+    e, h, kv, d, m, v, n_layers = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
+                                   c.intermediate_size, c.vocab_size, c.num_layers)
+    per_layer = e * h * d + 2 * e * kv * d + h * d * e + 3 * e * m
+    n_matmul = n_layers * per_layer + e * v
+    tokens = batch * seq
+    dense = 6.0 * n_matmul * tokens
+    attention = 12.0 * n_layers * batch * seq**2 * h * d
+    return {"n_matmul": n_matmul, "dense": dense, "attention": attention, "total": dense + attention}
+
+
+def _median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+class PeakMatmul:
+    """FLOP/s of a jitted float32 n x n @ n x n matmul (2 n^3 FLOPs), median of `repeats` calls."""
+
+    def __init__(self, n: int, repeats: int):
+        rng = np.random.default_rng(0)
+        self.a = jnp.asarray(rng.standard_normal((n, n), np.float32))
+        self.b = jnp.asarray(rng.standard_normal((n, n), np.float32))
+        self.n, self.repeats = n, repeats
+        self.matmul = jax.jit(jnp.matmul)
+
+    def __call__(self) -> float:
+        t, _ = _median_time(lambda: self.matmul(self.a, self.b), self.repeats)
+        return 2.0 * self.n**3 / t
+
+
+def synthetic_batch(c: ModelConfig, batch: int, seq: int, prompt_frac: float, ragged: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    length = seq + 1
+    prompt_len = max(1, int(round(length * prompt_frac)))
+    completion_len = length - prompt_len
+    prompts, completions, behaviour = [], [], []
+    for _ in range(batch):
+        p_n = int(rng.integers(1, prompt_len + 1)) if ragged else prompt_len
+        c_n = int(rng.integers(1, completion_len + 1)) if ragged else completion_len
+        prompts.append(rng.integers(1, c.vocab_size, p_n).tolist())
+        completions.append(rng.integers(1, c.vocab_size, c_n).tolist())
+        # Near the log-prob of a uniform guess, so the TIS weights stay O(1) and the step is finite.
+        behaviour.append(rng.normal(-np.log(c.vocab_size), 0.1, c_n))
+    advantages = rng.standard_normal(batch).astype(np.float32)
+    return pack_batch(prompts, completions, behaviour, advantages, pad_id=0, prompt_len=prompt_len,
+                      completion_len=completion_len)
+
+
+def xla_flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    flops = cost.get("flops")
+    return float(flops) if flops is not None and flops > 0 else None
+
+
+def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) -> dict[str, float]:
+    """Median seconds of the step's pieces, each jitted on its own, measured round-robin (so that a
+    change in the machine's load hits all of them alike)."""
+    import optax
+
+    from grpo_jax.losses import policy_loss
+    from grpo_jax.model import positions_from_mask
+
+    graphdef, params, opt = learner.graphdef, learner.params, learner.optimizer
+
+    def hidden_only(params, batch):
+        model = nnx.merge(graphdef, params)
+        pos = positions_from_mask(batch.input_mask)
+        return model.hidden_states(batch.tokens[:, :-1], pos[:, :-1], batch.input_mask[:, :-1])[0]
+
+    def fwd(params, batch, with_entropy):
+        model = nnx.merge(graphdef, params)
+        return token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=with_entropy)
+
+    def loss_fn(params, batch, with_entropy):
+        logp, ent = fwd(params, batch, with_entropy)
+        return policy_loss(logp, jax.lax.stop_gradient(logp), batch.behaviour_logprobs, None,
+                           batch.advantages, batch.loss_mask, loss_config, entropies=ent)
+
+    def apply(params, opt_state, grads):
+        updates, new_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), static_argnums=2)
+    grads = grad(params, batch, True)[1]
+    pieces = {
+        "forward: hidden states": (jax.jit(hidden_only), (params, batch)),
+        "forward: logprobs": (jax.jit(fwd, static_argnums=2), (params, batch, False)),
+        "forward: logprobs + entropy": (jax.jit(fwd, static_argnums=2), (params, batch, True)),
+        "forward+backward: no entropy": (grad, (params, batch, False)),
+        "forward+backward: + entropy": (grad, (params, batch, True)),
+        "optimizer: clip + AdamW": (jax.jit(apply), (params, learner.opt_state, grads)),
+    }
+    for f, a in pieces.values():
+        jax.block_until_ready(f(*a))
+    times = {k: [] for k in pieces}
+    for _ in range(repeats):
+        for k, (f, a) in pieces.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(args) -> dict:
+    config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, dtype=args.dtype, remat=args.remat,
+                         max_position_embeddings=max(4096, args.seq + 1))
+    loss_config = LossConfig(tis="truncate", kl_coef=0.0)
+    optim_config = OptimConfig(lr=1e-5, weight_decay=0.01, micro_batch_size=args.micro)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    try:
+        print("load average:", " ".join(f"{x:.2f}" for x in os.getloadavg()), f"({os.cpu_count()} CPUs)",
+              flush=True)
+    except OSError:
+        pass
+
+    measure_peak = PeakMatmul(args.peak_n, args.peak_repeats)
+    print(f"peak: {args.peak_n}^3 float32 matmul {measure_peak() / 1e9:.1f} GFLOP/s (first look)", flush=True)
+
+    model = create_model(config, seed=args.seed)
+    params_total = count_params(model)
+    learner = Learner(model, optim_config, loss_config)
+    batch = synthetic_batch(config, args.batch, args.seq, args.prompt_frac, args.ragged, args.seed)
+    flops = model_flops(config, args.batch, args.seq)
+    tokens = args.batch * args.seq
+    print(f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, mlp {config.intermediate_size}, "
+          f"{config.num_layers} layers, {config.num_heads}/{config.num_kv_heads} heads x "
+          f"{config.resolved_head_dim}, {config.dtype}; {params_total / 1e6:.2f}M params "
+          f"({flops['n_matmul'] / 1e6:.2f}M in matmuls)", flush=True)
+    print(f"batch: {args.batch} rows x {args.seq} positions = {tokens} tokens "
+          f"({int(np.asarray(batch.loss_mask).sum())} trained), micro-batch {args.micro or args.batch}; "
+          f"model FLOPs/step {flops['total'] / 1e9:.2f} G (dense {flops['dense'] / 1e9:.2f} G + attention "
+          f"{flops['attention'] / 1e9:.2f} G)", flush=True)
+
+    # Compile apart (lower + compile of the very function Learner.step calls), then the first real
+    # call, which compiles again through jit's own cache unless the two share it.
+    t0 = time.perf_counter()
+    compiled = learner._step.lower(learner.params, learner.opt_state, batch, learner.ref_params).compile()
+    compile_s = time.perf_counter() - t0
+    xla = None if args.no_cost_analysis else xla_flops(compiled)
+    del compiled
+    t0 = time.perf_counter()
+    first = learner.step(batch)
+    first_s = time.perf_counter() - t0
+    assert np.isfinite(first["loss"]), first
+
+    # Steps and peak measurements alternate, so that both see the same (shared, noisy) machine.
+    times, peaks = [], []
+    for _ in range(args.steps):
+        peaks.append(measure_peak())
+        t0 = time.perf_counter()
+        metrics = learner.step(batch)  # returns host floats: the step has finished
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    peak = statistics.median(peaks)
+    achieved = flops["total"] / step_s
+    mfu = achieved / peak
+    paired = statistics.median(flops["total"] / t / p for t, p in zip(times, peaks))
+    print(f"compile: {compile_s:.1f} s (lower+compile); first step {first_s:.1f} s", flush=True)
+    print("step times (s): " + ", ".join(f"{t:.3f}" for t in times) + f"; median {step_s:.3f}")
+    print("peak (GFLOP/s): " + ", ".join(f"{p / 1e9:.1f}" for p in peaks) + f"; median {peak / 1e9:.1f}")
+    print(f"MFU of each step against the peak measured just before it: median {100 * paired:.1f}%")
+    if xla is not None:
+        print(f"XLA cost analysis: {xla / 1e9:.2f} GFLOP/step "
+              f"(analytic {flops['total'] / 1e9:.2f}, ratio {xla / flops['total']:.3f})")
+    else:
+        print("XLA cost analysis: unavailable")
+    print(f"metrics: loss {metrics['loss']:.4g}, grad_norm {metrics['grad_norm']:.4g}, "
+          f"entropy {metrics.get('entropy', float('nan')):.4g}")
+    try:
+        print("load average:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    except OSError:
+        pass
+
+    result = {"tokens_per_s": tokens / step_s, "gflops": achieved / 1e9, "peak_gflops": peak / 1e9,
+              "mfu": mfu, "mfu_paired": paired, "step_s": step_s, "compile_s": compile_s, "xla_gflop": None if xla is None else xla / 1e9,
+              "model_gflop": flops["total"] / 1e9}
+    if args.breakdown:
+        print("breakdown (median s, each piece jitted alone):")
+        for name, t in breakdown(learner, batch, loss_config, max(3, args.steps)).items():
+            print(f"  {name:34s} {t:.3f}")
+    print(f"learner: {tokens / step_s:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
+          f"peak {peak / 1e9:.1f} GFLOP/s, MFU {100 * mfu:.1f}%")
+    return result
+
+
+if __name__ == "__main__":
+    main(ARGS)
