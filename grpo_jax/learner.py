@@ -98,15 +98,27 @@ class TrainBatch:
     loss_mask: jax.Array
     advantages: jax.Array
     behaviour_logprobs: jax.Array
+    # Static: the completions occupy the last completion_len tokens, so only the positions that score
+    # them need the vocabulary projection (the costliest matmul at a 32k vocab). 0: score every position.
+    completion_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def scored(self, x: jax.Array) -> jax.Array:
+        """The [B, L-1, ...] per-position array cut to the positions that score completion tokens."""
+        return x if not self.completion_len else x[:, x.shape[1] - self.completion_len:]
 
 
-def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False):
-    """Log-prob of each next token, [B, L-1], and (optionally) the entropy of each next-token distribution."""
+def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
+                   last: int = 0):
+    """Log-prob of each next token, [B, L-1] (or only the last `last` positions, [B, last]), and optionally
+    the entropy of each next-token distribution."""
     positions = positions_from_mask(input_mask)
     hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1])
+    targets = tokens[:, 1:]
+    if last:
+        hidden, targets = hidden[:, -last:], targets[:, -last:]
     logits = model.logits(hidden)  # float32
     log_norm = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logprobs = target - log_norm
     if not with_entropy:
         return logprobs, None
@@ -146,9 +158,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
 
     def micro_loss(params, micro: TrainBatch, ref_logprobs, weight_over_total):
         model = nnx.merge(graphdef, params)
-        logprobs, entropy = token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=True)
-        loss, metrics = policy_loss(logprobs, jax.lax.stop_gradient(logprobs), micro.behaviour_logprobs,
-                                    ref_logprobs, micro.advantages, micro.loss_mask, loss_config,
+        logprobs, entropy = token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=True,
+                                           last=micro.completion_len)
+        loss, metrics = policy_loss(logprobs, jax.lax.stop_gradient(logprobs), micro.scored(micro.behaviour_logprobs),
+                                    ref_logprobs, micro.advantages, micro.scored(micro.loss_mask), loss_config,
                                     entropies=entropy)
         return loss * weight_over_total, metrics
 
@@ -156,7 +169,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         if ref_params is None:
             return None
         ref_model = nnx.merge(ref_graphdef, ref_params)
-        return jax.lax.stop_gradient(token_logprobs(ref_model, micro.tokens, micro.input_mask)[0])
+        return jax.lax.stop_gradient(token_logprobs(ref_model, micro.tokens, micro.input_mask,
+                                                    last=micro.completion_len)[0])
 
     def step(params, opt_state, batch: TrainBatch, ref_params=None):
         size = batch.advantages.shape[0]
@@ -266,6 +280,8 @@ def pack_batch(prompts: list[list[int]], completions: list[list[int]], behaviour
         # Position t scores token t+1: the completion's tokens sit at prompt_len .. prompt_len+n-1.
         loss_mask[i, prompt_len - 1:prompt_len - 1 + len(completion)] = 1.0
         behaviour[i, prompt_len - 1:prompt_len - 1 + len(completion)] = np.asarray(logp)[:len(completion)]
+    # Position prompt_len - 1 (the last prompt token) scores the first completion token: the scored
+    # positions are the last completion_len of the L - 1.
     return TrainBatch(tokens=jnp.asarray(tokens), input_mask=jnp.asarray(input_mask),
                       loss_mask=jnp.asarray(loss_mask), advantages=jnp.asarray(advantages, jnp.float32),
-                      behaviour_logprobs=jnp.asarray(behaviour))
+                      behaviour_logprobs=jnp.asarray(behaviour), completion_len=completion_len)

@@ -13,6 +13,11 @@ Design:
 - Sampling is exact inverse-CDF sampling on exp(logits - max), done hierarchically (block sums over
   vocab chunks, pick a block, then a token inside it): one exp pass plus small reductions, instead of
   a Gumbel draw per vocab entry or a full-vocab sort (both cost as much as the model on CPU).
+- Rows are split over `decode_streams` concurrent executions of the same program (see SamplerConfig).
+
+Batch independence is about the randomness: float results of XLA's kernels can differ in the last bits
+between batch shapes or paddings, which can flip a draw that lands within rounding of a CDF boundary
+(rare with a peaked distribution, more common with a near-uniform one over a large vocab).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ class SamplerConfig:
     max_prompt_len: int = 512
     min_prompt_bucket: int = 16  # prompt lengths are padded to powers of two from here
     min_batch_bucket: int = 1  # batch sizes are padded to powers of two from here
-    # Concurrent decode programs, each on a share of the rows: 2 keeps both cores of a small CPU host
-    # busy (+15-20% tokens/s on 2 cores); use 1 on an accelerator.
+    # Concurrent executions of the decode program, each on a share of the rows. The decode step is a
+    # chain of small ops that XLA's CPU runtime mostly runs one at a time on one core; it overlaps
+    # separate executions launched from separate threads. 2 gives +15-20% tokens/s on 2 cores;
+    # use 1 on an accelerator.
     decode_streams: int = 2
 
     def validate(self) -> list[str]:
@@ -82,7 +89,7 @@ def _sortable(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def _nucleus_cut(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
-    """[B, 1] cut such that x >= cut is the smallest set of highest-x entries whose mass e reaches
+    """[B] cut such that x >= cut is the smallest set of highest-x entries whose mass e reaches
     top_p of the total: "sort descending, keep while the mass before the entry is < top_p", with ties
     at the cut all kept. Found by bisecting the cut over the float order in 32 passes, because XLA's
     CPU comparator sort of a 32k vocab costs ~50x a model step.
@@ -98,21 +105,27 @@ def _nucleus_cut(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndar
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
-    return jax.lax.bitcast_convert_type(_sortable(lo), jnp.float32)[:, None]
+    return jax.lax.bitcast_convert_type(_sortable(lo), jnp.float32)
+
+
+def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
+    """[B, V] -> [B, ceil(V / block), block], padded with -inf (zero probability)."""
+    b, v = x.shape
+    nb = -(-v // block)
+    return jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
 
 
 def _inverse_cdf(weight, x: jnp.ndarray, u: jnp.ndarray, block: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Index i with probability w[i] / sum(w), w = weight(x) >= 0 elementwise, for u ~ U[0, 1);
-    and sum(w). x: [B, V].
+    """Index i with probability w[i] / sum(w) for u ~ U[0, 1), and sum(w); w = weight(x) >= 0 is
+    elementwise, and weight is called on [B, blocks, block] slices of x [B, V].
 
     Two levels: cumulative block sums pick a block, then a cumsum inside the block picks the entry.
     The weights are recomputed for the chosen block instead of kept, so the full [B, V] pass is a
     single fused exp-and-sum. Clipping to the last entry with positive weight guards against float
     rounding at the top end.
     """
-    b, v = x.shape
-    nb = -(-v // block)
-    blocks = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
+    blocks = _blocks(x, block)
+    nb = blocks.shape[1]
     sums = weight(blocks).sum(-1)  # [B, nb]
     csum = jnp.cumsum(sums, axis=-1)
     total = csum[:, -1]
@@ -136,25 +149,29 @@ def sample_logits(logits, u, temperature, top_p, *, greedy: bool, top_k: int, us
     top-k mass). Greedy returns the argmax and its log-softmax under the raw (temperature 1) logits.
     """
     logits = logits.astype(jnp.float32)
-    if greedy:
-        tok = jnp.argmax(logits, axis=-1)
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], axis=-1)[:, 0]
-        return tok.astype(jnp.int32), lp
+    if greedy:  # block maxima, then the argmax inside the winning block: one pass, not a [B, V] argmax
+        blocks = _blocks(logits, block)
+        block_max = blocks.max(-1)
+        j = jnp.argmax(block_max, axis=-1)
+        i = jnp.argmax(jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0], axis=-1)
+        m = block_max.max(-1)
+        lp = -jnp.log(jnp.exp(blocks - m[:, None, None]).sum((1, 2)))  # log-softmax at the argmax
+        return (j * block + i).astype(jnp.int32), lp
     # Top-k and top-p only need the order of the logits, which temperature does not change, so the
     # temperature is folded into the one exp pass instead of a separate pass over [B, V].
     x, ids = logits, None
     if top_k:
         x, ids = jax.lax.top_k(x, top_k)  # sorted candidates: cheap for small k, unlike a full sort
     inv_t = 1.0 / temperature
-    m = x.max(-1, keepdims=True)
-    cut = _nucleus_cut(x, jnp.exp((x - m) * inv_t), top_p) if use_top_p else None
+    m = x.max(-1)
+    cut = _nucleus_cut(x, jnp.exp((x - m[:, None]) * inv_t), top_p) if use_top_p else None
 
-    def weight(xs):  # xs: [B, ..., n] slices of x
-        e = jnp.exp((xs - m.reshape((-1,) + (1,) * (xs.ndim - 1))) * inv_t)
-        return e if cut is None else jnp.where(xs >= cut.reshape(m.shape[:1] + (1,) * (xs.ndim - 1)), e, 0.0)
+    def weight(xs):  # xs: [B, n, block]
+        e = jnp.exp((xs - m[:, None, None]) * inv_t)
+        return e if cut is None else jnp.where(xs >= cut[:, None, None], e, 0.0)
 
     idx, total = _inverse_cdf(weight, x, u, block)
-    lp = (jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0] - m[:, 0]) * inv_t - jnp.log(total)
+    lp = (jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0] - m) * inv_t - jnp.log(total)
     tok = idx if ids is None else jnp.take_along_axis(ids, idx[:, None], axis=-1)[:, 0]
     return tok.astype(jnp.int32), lp
 
@@ -172,6 +189,7 @@ class Sampler:
             raise ValueError("invalid sampler config: " + "; ".join(problems))
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.pad_id = int(pad_id)
+        self.vocab_size = model.config.vocab_size
         self.graphdef, self.state = nnx.split(model)
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
         self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
@@ -200,6 +218,8 @@ class Sampler:
                                        top_k=top_k).validate()
         if problems:
             raise ValueError("invalid sampling arguments: " + "; ".join(problems))
+        if top_k > self.vocab_size:
+            raise ValueError(f"top_k={top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
         n = len(prompts)
         if n == 0:
             raise ValueError("generate needs at least one prompt")
@@ -217,9 +237,8 @@ class Sampler:
         if keys.shape[0] != n:
             raise ValueError(f"got {keys.shape[0]} keys for {n} prompts")
 
-        # Rows are split into `decode_streams` equal-shaped chunks (one compiled program), each run
-        # from its own thread: the decode loop is a chain of small, mostly single-threaded ops, and
-        # XLA's CPU runtime only overlaps separate executions launched from separate threads.
+        # Rows are split into `decode_streams` chunks of one shape (one compiled program), each run from
+        # its own thread (see SamplerConfig.decode_streams).
         chunks = np.array_split(np.arange(n), min(cfg.decode_streams, n))
         batch = _bucket(len(chunks[0]), cfg.min_batch_bucket)
         plen = min(_bucket(int(lens.max()), cfg.min_prompt_bucket), cfg.max_prompt_len)

@@ -1,11 +1,14 @@
 """Sampler tests: exactness against full forward passes, padding/batch independence, stopping, bucketing
 and the sampled distributions. Tiny model; samplers are module-scoped so each program compiles once."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from flax import nnx
 
 from grpo_jax.model import ModelConfig, create_model
 from grpo_jax.sampler import Sampler, SamplerConfig, sample_logits
@@ -83,8 +86,9 @@ def _filtered_logprobs(logp, temperature, top_k, top_p):
 
 def test_config_validate():
     assert SamplerConfig().validate() == []
-    bad = SamplerConfig(temperature=-1, top_p=0, top_k=-2, max_new_tokens=0, max_prompt_len=-1).validate()
-    assert len(bad) == 5
+    bad = SamplerConfig(temperature=-1, top_p=0, top_k=-2, max_new_tokens=0, max_prompt_len=-1,
+                        decode_streams=0).validate()
+    assert len(bad) == 6
     assert any(s.startswith("top_p=0:") for s in bad)
     assert any(s.startswith("temperature=-1:") for s in bad)
     with pytest.raises(ValueError, match="top_k"):
@@ -137,6 +141,10 @@ def test_greedy_matches_full_forward_loop(sampler, forward):
             seq.append(tok)
 
 
+def sampler_model(sampler):
+    return nnx.merge(sampler.graphdef, sampler.state)
+
+
 def test_row_result_independent_of_batch_and_padding(sampler):
     rng = np.random.default_rng(3)
     prompts = _prompts(rng, [4, 7, 15, 2, 10, 6])
@@ -152,6 +160,9 @@ def test_row_result_independent_of_batch_and_padding(sampler):
         np.testing.assert_array_equal(sub.tokens[j], full.tokens[i])
         np.testing.assert_allclose(sub.logprobs[j], full.logprobs[i], atol=1e-5)
     np.testing.assert_array_equal(solo.tokens[0], full.tokens[2])
+    # One stream instead of two (other chunking, other batch shape): same rows.
+    single = Sampler(sampler_model(sampler), (), PAD, dataclasses.replace(sampler.config, decode_streams=1))
+    np.testing.assert_array_equal(single.generate(prompts, keys).tokens, full.tokens)
     # Key forms: raw uint32 key data gives the same as typed keys; an int seed is reproducible.
     raw = sampler.generate(prompts, jax.random.key_data(keys))
     np.testing.assert_array_equal(raw.tokens, full.tokens)
@@ -190,6 +201,8 @@ def test_max_new_tokens_and_prompt_limit(sampler):
         sampler.generate([[1, 2], [3] * 41], 0)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         sampler.generate([[]], 0)
+    with pytest.raises(ValueError, match=f"top_k={VOCAB + 1}: must be <= vocab_size={VOCAB}"):
+        sampler.generate(prompts, 0, top_k=VOCAB + 1)
 
 
 def test_no_recompile_within_bucket_and_weight_update(model):
@@ -254,3 +267,8 @@ def test_inverse_cdf_edges():
         tok, lp = sample_logits(b, u, 1.0, top_p, greedy=False, top_k=top_k, use_top_p=top_p < 1, block=8)
         assert set(np.asarray(tok).tolist()) <= {0, 17, 40}
         assert np.isfinite(np.asarray(lp)).all()
+    # Greedy: the first maximum, found through block maxima; here in the padded last block.
+    logits[49] = logits[45] = 3.0
+    tok, lp = sample_logits(jnp.asarray(logits)[None], u[:1], 0.0, 1.0, greedy=True, top_k=0, use_top_p=False, block=8)
+    assert int(tok[0]) == 45
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(jnp.asarray(logits))[45], atol=1e-6)

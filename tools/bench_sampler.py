@@ -6,7 +6,10 @@ both sides run identical weights (checked: max |logit difference| is printed). C
 warm-up is timed separately; the two generators then alternate `--repeats` times (so background load hits
 both alike) and the median of each is reported.
 
-    /work/venv/bin/python tools/bench_sampler.py [--repeats 3] [--threads 2]
+    /work/venv/bin/python tools/bench_sampler.py [--repeats 3] [--threads 2] [--streams 2] [--realtime]
+
+On a machine shared with other work, --realtime (root only) runs this process, and the threads it
+starts, under SCHED_FIFO so that background load does not decide the result (both sides alike).
 """
 
 from __future__ import annotations
@@ -74,10 +77,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streams", type=int, default=SamplerConfig.decode_streams,
+                        help="SamplerConfig.decode_streams")
+    parser.add_argument("--realtime", action="store_true", help="SCHED_FIFO priority (needs root)")
     args = parser.parse_args()
+    if args.realtime:  # before jax and torch start their thread pools, which inherit the policy
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(5))
     torch.set_num_threads(args.threads)
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {os.cpu_count()} CPUs, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+          f"{transformers.__version__}, {os.cpu_count()} CPUs, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+          f"decode_streams={args.streams}, realtime={args.realtime}")
 
     hf_model, ours, diff = build_models(args.seed)
     print(f"weights shared: max |logits(ours) - logits(transformers)| = {diff:.2e}")
@@ -86,7 +95,8 @@ def main() -> None:
     input_ids = torch.tensor(prompts)
     # No eos stop: eos_ids=() on our side, min_new_tokens=max_new_tokens on theirs.
     sampler = Sampler(ours, eos_ids=(), pad_id=0,
-                      config=SamplerConfig(max_new_tokens=NEW, max_prompt_len=PROMPT, min_prompt_bucket=PROMPT))
+                      config=SamplerConfig(max_new_tokens=NEW, max_prompt_len=PROMPT, min_prompt_bucket=PROMPT,
+                                           decode_streams=args.streams))
     prompt_lists = prompts.tolist()
 
     warm_ours = time_ours(sampler, prompt_lists, args.seed)

@@ -32,6 +32,7 @@ XLA flags: --xla-flags is appended to XLA_FLAGS before jax is imported (only in 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -67,6 +68,7 @@ def parse_args(argv=None):
     r.add_argument("--breakdown", action="store_true",
                    help="also time forward, forward(+entropy), forward+backward and the optimizer apart")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--json", default="", help="also write the figures to this JSON file")
     return p.parse_args(argv)
 
 
@@ -97,30 +99,36 @@ def model_flops(c: ModelConfig, batch: int, seq: int) -> dict[str, float]:
     return {"n_matmul": n_matmul, "dense": dense, "attention": attention, "total": dense + attention}
 
 
-def _median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one blocking call."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _median_time(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
+    """Median wall and median CPU seconds of `repeats` calls, after `warmup` untimed ones."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+    walls, cpus = zip(*(_timed(fn) for _ in range(repeats)))
+    return statistics.median(walls), statistics.median(cpus)
 
 
 class PeakMatmul:
-    """FLOP/s of a jitted float32 n x n @ n x n matmul (2 n^3 FLOPs), median of `repeats` calls."""
+    """A jitted float32 n x n @ n x n matmul (2 n^3 FLOPs): () -> (FLOP/s, FLOP per CPU-second), each
+    from the median of `repeats` calls."""
 
     def __init__(self, n: int, repeats: int):
         rng = np.random.default_rng(0)
         self.a = jnp.asarray(rng.standard_normal((n, n), np.float32))
         self.b = jnp.asarray(rng.standard_normal((n, n), np.float32))
-        self.n, self.repeats = n, repeats
+        self.flops = 2.0 * n**3
+        self.repeats = repeats
         self.matmul = jax.jit(jnp.matmul)
 
-    def __call__(self) -> float:
-        t, _ = _median_time(lambda: self.matmul(self.a, self.b), self.repeats)
-        return 2.0 * self.n**3 / t
+    def __call__(self) -> tuple[float, float]:
+        wall, cpu = _median_time(lambda: self.matmul(self.a, self.b), self.repeats)
+        return self.flops / wall, self.flops / cpu
 
 
 def synthetic_batch(c: ModelConfig, batch: int, seq: int, prompt_frac: float, ragged: bool, seed: int):
@@ -154,9 +162,9 @@ def xla_flops(compiled) -> float | None:
     return float(flops) if flops is not None and flops > 0 else None
 
 
-def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) -> dict[str, float]:
-    """Median seconds of the step's pieces, each jitted on its own, measured round-robin (so that a
-    change in the machine's load hits all of them alike)."""
+def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of the step's pieces, each jitted on its own, measured round-robin (so
+    that a change in the machine's load hits all of them alike)."""
     import optax
 
     from grpo_jax.losses import policy_loss
@@ -197,10 +205,8 @@ def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) ->
     times = {k: [] for k in pieces}
     for _ in range(repeats):
         for k, (f, a) in pieces.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            times[k].append(_timed(lambda: f(*a)))
+    return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
 
 
 def main(args) -> dict:
@@ -219,7 +225,7 @@ def main(args) -> dict:
         pass
 
     measure_peak = PeakMatmul(args.peak_n, args.peak_repeats)
-    print(f"peak: {args.peak_n}^3 float32 matmul {measure_peak() / 1e9:.1f} GFLOP/s (first look)", flush=True)
+    print(f"peak: {args.peak_n}^3 float32 matmul {measure_peak()[0] / 1e9:.1f} GFLOP/s (first look)", flush=True)
 
     model = create_model(config, seed=args.seed)
     params_total = count_params(model)
@@ -249,21 +255,34 @@ def main(args) -> dict:
     assert np.isfinite(first["loss"]), first
 
     # Steps and peak measurements alternate, so that both see the same (shared, noisy) machine.
-    times, peaks = [], []
+    times, cpus, peaks, peaks_cpu = [], [], [], []
     for _ in range(args.steps):
-        peaks.append(measure_peak())
-        t0 = time.perf_counter()
+        peak_i, peak_cpu_i = measure_peak()
+        peaks.append(peak_i)
+        peaks_cpu.append(peak_cpu_i)
+        c0, t0 = time.process_time(), time.perf_counter()
         metrics = learner.step(batch)  # returns host floats: the step has finished
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     step_s = statistics.median(times)
     peak = statistics.median(peaks)
     achieved = flops["total"] / step_s
     mfu = achieved / peak
     paired = statistics.median(flops["total"] / t / p for t, p in zip(times, peaks))
-    print(f"compile: {compile_s:.1f} s (lower+compile); first step {first_s:.1f} s", flush=True)
-    print("step times (s): " + ", ".join(f"{t:.3f}" for t in times) + f"; median {step_s:.3f}")
-    print("peak (GFLOP/s): " + ", ".join(f"{p / 1e9:.1f}" for p in peaks) + f"; median {peak / 1e9:.1f}")
+    # FLOPs per CPU-second of the step over those of the matmul: what other jobs on a shared machine
+    # take away (time slices) cancels out, what it leaves (the work per FLOP) stays.
+    cpu_ratio = (flops["total"] / statistics.median(cpus)) / statistics.median(peaks_cpu)
+    print(f"compile: {compile_s:.1f} s (lower+compile); first call {first_s:.1f} s "
+          f"(its excess over a median step is any compilation jit did not share)", flush=True)
+    print("step wall times (s): " + ", ".join(f"{t:.3f}" for t in times) + f"; median {step_s:.3f}, "
+          f"min {min(times):.3f}")
+    print("step CPU times (s):  " + ", ".join(f"{t:.3f}" for t in cpus) + f"; median {statistics.median(cpus):.3f}")
+    print("peak (GFLOP/s):      " + ", ".join(f"{p / 1e9:.1f}" for p in peaks) + f"; median {peak / 1e9:.1f}, "
+          f"max {max(peaks) / 1e9:.1f}")
     print(f"MFU of each step against the peak measured just before it: median {100 * paired:.1f}%")
+    print(f"MFU by CPU time (step FLOP/CPU-s over matmul FLOP/CPU-s, load-insensitive): {100 * cpu_ratio:.1f}%")
+    print(f"best step against best peak: {flops['total'] / min(times) / 1e9:.1f} GFLOP/s of "
+          f"{max(peaks) / 1e9:.1f}, MFU {100 * flops['total'] / min(times) / max(peaks):.1f}%")
     if xla is not None:
         print(f"XLA cost analysis: {xla / 1e9:.2f} GFLOP/step "
               f"(analytic {flops['total'] / 1e9:.2f}, ratio {xla / flops['total']:.3f})")
@@ -277,12 +296,18 @@ def main(args) -> dict:
         pass
 
     result = {"tokens_per_s": tokens / step_s, "gflops": achieved / 1e9, "peak_gflops": peak / 1e9,
-              "mfu": mfu, "mfu_paired": paired, "step_s": step_s, "compile_s": compile_s, "xla_gflop": None if xla is None else xla / 1e9,
-              "model_gflop": flops["total"] / 1e9}
+              "mfu": mfu, "mfu_paired": paired, "mfu_cpu_time": cpu_ratio, "step_s": step_s,
+              "step_cpu_s": statistics.median(cpus), "compile_s": compile_s, "first_call_s": first_s,
+              "xla_gflop": None if xla is None else xla / 1e9, "model_gflop": flops["total"] / 1e9}
     if args.breakdown:
-        print("breakdown (median s, each piece jitted alone):")
-        for name, t in breakdown(learner, batch, loss_config, max(3, args.steps)).items():
-            print(f"  {name:34s} {t:.3f}")
+        print("breakdown (each piece jitted alone; median wall s, median CPU s):")
+        pieces = breakdown(learner, batch, loss_config, max(3, args.steps))
+        for name, (wall, cpu) in pieces.items():
+            print(f"  {name:34s} {wall:7.3f} {cpu:7.3f}")
+        result["breakdown"] = pieces
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **result}, f, indent=1)
     print(f"learner: {tokens / step_s:.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s, "
           f"peak {peak / 1e9:.1f} GFLOP/s, MFU {100 * mfu:.1f}%")
     return result

@@ -1,0 +1,90 @@
+"""The grpo-jax command line as a user runs it: the README's main job, and one-line errors for bad input."""
+
+import json
+import pathlib
+
+import pytest
+
+from grpo_jax.cli import EXIT_USER_ERROR, main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_cpu.yaml")
+SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.vocab_size=260",
+         "tokenizer=byte"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "model"
+    assert main(["init-model", TINY, *SMALL, "--out", str(out)]) == 0
+    return out
+
+
+def test_init_model_then_generate_writes_jsonl(model_dir, tmp_path, capsys):
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n\nreverse: 123=\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "5",
+                 "--output", str(out), "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["hello", "reverse: 123="]
+    for row in rows:
+        assert set(row) >= {"prompt", "completion", "completion_ids", "logprobs", "finish_reason"}
+        assert 1 <= len(row["completion_ids"]) == len(row["logprobs"]) <= 5
+        assert all(lp <= 0 for lp in row["logprobs"])
+    assert "### 0: hello" in capsys.readouterr().out
+    # Greedy is deterministic and does not depend on the seed.
+    greedy = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"greedy{seed}.jsonl"
+        main(["generate", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "5",
+              "--temperature", "0", "--seed", seed, "--output", str(path)])
+        greedy.append([json.loads(line)["completion_ids"] for line in path.read_text().splitlines()])
+    assert greedy[0] == greedy[1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompts", "missing.txt", "--max-new-tokens", "4"], "prompt file missing.txt does not exist"),
+    (["generate", "--prompts", "{prompts}", "--max-new-tokens", "4", "--max-prompt-len", "3"],
+     "prompt 0 is 5 tokens long, over the limit --max-prompt-len=3"),
+    (["generate", "--prompts", "{prompts}", "--max-new-tokens", "4", "--top-p", "1.5"], "top_p=1.5"),
+])
+def test_generate_bad_input_is_one_clear_line(model_dir, tmp_path, capsys, args, message):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    args = [a.replace("{prompts}", str(prompts)) for a in args]
+    assert main([args[0], "--model", str(model_dir), *args[1:]]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_missing_model_and_bad_config_are_refused(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompts", str(prompts),
+                 "--max-new-tokens", "2"]) == EXIT_USER_ERROR
+    assert "nope: not a directory" in capsys.readouterr().err
+    assert main(["train", TINY, "optim.learning_rate=1"]) == EXIT_USER_ERROR
+    assert "unknown config key 'optim.learning_rate'" in capsys.readouterr().err
+    assert main(["init-model", TINY, "model.vocab_size=10", "tokenizer=byte", "--out", str(tmp_path / "m")]) \
+        == EXIT_USER_ERROR
+    assert "model.vocab_size=10" in capsys.readouterr().err
+
+
+def test_audit_exit_code_follows_the_ledger(tmp_path, capsys):
+    from grpo_jax.ledger import Ledger
+
+    ledger = Ledger(tmp_path)
+    ledger.train(1, [0, 1], [5, 6], [0, 0], [0, 0])
+    ledger.drop(2, 7, 0, "bad_row")
+    ledger.checkpoint(1, 3)
+    ledger.close()
+    assert main(["audit", str(tmp_path)]) == 0
+    ledger = Ledger(tmp_path, resumed_from={"step": 1, "run": 0, "seq": 3})
+    ledger.train(2, [1, 3], [6, 8], [0, 0], [1, 1])  # ordinal 1 trained a second time
+    ledger.checkpoint(2, 4)
+    ledger.close()
+    assert main(["audit", str(tmp_path)]) == 1
+    assert "trained twice" in capsys.readouterr().out
+    assert main(["audit", str(tmp_path / "none")]) == EXIT_USER_ERROR
