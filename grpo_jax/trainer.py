@@ -300,7 +300,9 @@ class Trainer:
                                config=config.sampler)
         self.version = 0
 
-        self.iterator = make_data_iterator(config.data, self.tokenizer)
+        # Each JAX process reads its own shard of the stream (one process here; several on a pod).
+        self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=jax.process_index(),
+                                           shard_count=jax.process_count())
         self.ledger = Ledger(self.run_dir)
         grpo = config.grpo
         self.collector = Collector(self.iterator, handout_size=grpo.prompts_per_step, ledger=self.ledger)

@@ -21,7 +21,8 @@ def test_every_shipped_config_loads():
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(Config, TINY, ["model.dtype=bfloat16", "sampler.temperature=0.7",
-                                     "model.num_layers=3", "seed=7", "sampler.top_p=1e-1"])
+                                     "model.num_layers=3", "seed=7", "sampler.top_p=1e-1", "optim.lr=1e-6"])
+    assert cfg.optim.lr == 1e-6
     assert cfg.model.dtype == "bfloat16" and cfg.model.num_layers == 3
     assert cfg.sampler.temperature == 0.7 and cfg.sampler.top_p == 0.1 and cfg.seed == 7
     # an int where a float is expected is widened
@@ -29,7 +30,13 @@ def test_overrides_are_typed_and_nested():
 
 
 @pytest.mark.parametrize("override, fragments", [
-    ("optim.lr=1e-6", ["unknown config key 'optim'", "model"]),
+    ("optimizer.lr=1e-6", ["unknown config key 'optimizer'", "optim"]),
+    ("optim.learning_rate=1e-6", ["unknown config key 'optim.learning_rate'", "lr"]),
+    ("optim.lr=-1", ["optim.lr=-1", "must be > 0"]),
+    ("loss.aggregation=sum", ["loss.aggregation='sum'", "token_mean"]),
+    ("grpo.group_size=1", ["grpo.group_size=1", ">= 2"]),
+    ("data.source=csv", ["data.source='csv'", "jsonl"]),
+    ("rewards=[{name: nope}]", ["rewards[0]", "nope"]),
     ("model.hidden=3", ["unknown config key 'model.hidden'", "hidden_size"]),
     ("model.num_layers=two", ["model.num_layers='two'", "integer"]),
     ("model.num_layers=2.5", ["model.num_layers=2.5", "integer"]),
@@ -38,7 +45,7 @@ def test_overrides_are_typed_and_nested():
     ("model.num_kv_heads=3", ["model.num_kv_heads=3", "must divide num_heads=4"]),
     ("sampler.temperature=-1", ["sampler.temperature=-1", ">= 0"]),
     ("sampler.top_p=0", ["sampler.top_p=0", "top_p"]),
-    ("mesh.tensor=0", ["mesh.tensor=0", "positive"]),
+    ("mesh.learner.tensor=0", ["mesh.learner.tensor=0", "positive"]),
     ("seed", ["expected key=value"]),
 ])
 def test_bad_values_are_refused_with_key_value_and_allowed(override, fragments):

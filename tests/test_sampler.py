@@ -92,7 +92,7 @@ def test_config_validate():
     assert any(s.startswith("top_p=0:") for s in bad)
     assert any(s.startswith("temperature=-1:") for s in bad)
     with pytest.raises(ValueError, match="top_k"):
-        Sampler(_model(), (), PAD, SamplerConfig(top_k=-1))
+        Sampler(None, (), PAD, SamplerConfig(top_k=-1))  # rejected before the model is looked at
 
 
 def test_logprobs_match_full_forward(sampler, forward):
@@ -194,8 +194,8 @@ def test_eos_stopping_and_finish_reasons(model, forward):
 def test_max_new_tokens_and_prompt_limit(sampler):
     rng = np.random.default_rng(5)
     prompts = _prompts(rng, [5, 6])
-    res = sampler.generate(prompts, 0, max_new_tokens=3)
-    assert res.tokens.shape == (2, 3) and list(res.lengths) == [3, 3]
+    res = sampler.generate(prompts, 0, max_new_tokens=9)  # runtime limit, same program as MAX_NEW
+    assert res.tokens.shape == (2, 9) and list(res.lengths) == [9, 9]
     assert res.finish_reasons == ["length", "length"]
     with pytest.raises(ValueError, match=r"prompt 1 has 41 tokens, more than max_prompt_len=40"):
         sampler.generate([[1, 2], [3] * 41], 0)
@@ -264,11 +264,13 @@ def test_inverse_cdf_edges():
     u = jnp.array([0.0, 1e-9, 0.5, 1 - 2 ** -24, 0.9999999], jnp.float32)
     b = jnp.broadcast_to(jnp.asarray(logits), (len(u), 50))
     for top_k, top_p in [(0, 1.0), (3, 1.0), (0, 0.9)]:
-        tok, lp = sample_logits(b, u, 1.0, top_p, greedy=False, top_k=top_k, use_top_p=top_p < 1, block=8)
+        tok, lp = jax.jit(lambda b, u: sample_logits(b, u, 1.0, top_p, greedy=False, top_k=top_k,
+                                                     use_top_p=top_p < 1, block=8))(b, u)
         assert set(np.asarray(tok).tolist()) <= {0, 17, 40}
         assert np.isfinite(np.asarray(lp)).all()
     # Greedy: the first maximum, found through block maxima; here in the padded last block.
     logits[49] = logits[45] = 3.0
-    tok, lp = sample_logits(jnp.asarray(logits)[None], u[:1], 0.0, 1.0, greedy=True, top_k=0, use_top_p=False, block=8)
+    tok, lp = jax.jit(lambda x: sample_logits(x, u[:1], 0.0, 1.0, greedy=True, top_k=0, use_top_p=False,
+                                              block=8))(jnp.asarray(logits)[None])
     assert int(tok[0]) == 45
     np.testing.assert_allclose(lp, jax.nn.log_softmax(jnp.asarray(logits))[45], atol=1e-6)

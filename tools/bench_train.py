@@ -1,32 +1,52 @@
 """Learner throughput and model FLOP utilisation (MFU) on the local device (meant for CPU).
 
-Runs the real `Learner.step` (jitted, AdamW, GRPO loss, TIS on, no KL) on a synthetic packed batch
-and compares its model FLOP/s with the peak FLOP/s of a large float32 matmul measured in the same run
-on the same machine.
+Runs the real `Learner.step` (jitted, donated, AdamW with global-norm clipping, GRPO loss with TIS
+"truncate", no KL, entropy metric on) on a synthetic packed batch, and compares its model FLOP/s with
+the peak FLOP/s of a large float32 matmul measured in the same run on the same machine. Prints both,
+their ratio, and a last line `learner: X tokens/s, Y GFLOP/s, peak Z GFLOP/s, MFU W%`.
+
+    python tools/bench_train.py                 # default size below; ~1.4 s steps on 2 idle Zen 4 cores
+    python tools/bench_train.py --breakdown     # also forward, forward+backward, optimizer timed apart
+    python tools/bench_train.py --hidden 1024 --intermediate 2816 --heads 16 --batch 2 --seq 512
+
+Default size: vocab 8192, hidden 768, MLP 2048, 4 layers, 12 query / 4 KV heads of 64, float32
+(37.8M parameters, 31.5M of them in matmuls); batch 4 rows x 256 positions = 1024 tokens per step,
+193 of them completions (prompt 64), one micro-batch: 193.6 model GFLOP per step.
 
 Model FLOPs of one step, counted analytically from the config (T = positions the model runs per row,
-i.e. the packed length minus one; B = rows; E, H, KV, D, M, V, L as in ModelConfig):
+i.e. the packed length minus one; S = positions per row that go through the LM head, the completion
+length, since the learner scores completion tokens only (TrainBatch.completion_len; S = T when 0);
+B = rows; E, H, KV, D, M, V, L as in ModelConfig):
 
-    N_matmul = L * (E*H*D + 2*E*KV*D + H*D*E + 3*E*M) + E*V     (projection, MLP and LM-head weights;
-                                                               the embedding lookup is a gather, 0 FLOPs)
-    dense     = 6 * N_matmul * B*T          forward 2 FLOPs per weight per token, backward 4
-    attention = 12 * L * B * T^2 * H * D    forward QK^T and PV are 2*T^2*H*D each (the full T x T square
-                                            that the model computes, causal mask or not), backward twice that
+    N_layers  = L * (E*H*D + 2*E*KV*D + H*D*E + 3*E*M)   projection and MLP weights
+    N_head    = E*V                                      LM head (the embedding lookup is a gather: 0 FLOPs)
+    dense     = 6 * (N_layers*B*T + N_head*B*S)          forward 2 FLOPs per weight per token, backward 4
+                                                         (input and weight gradients)
+    attention = 12 * L * B * T^2 * H * D                 forward QK^T and PV are 2*T^2*H*D each over the
+                                                         full T x T square (what the model computes, causal
+                                                         mask or not), backward twice the forward
     model FLOPs per step = dense + attention
 
-Norms, RoPE, softmax, the loss and the optimizer are not counted (they are O(params) or O(B*T*(E+V)),
-a small share at these sizes). The XLA cost analysis of the compiled step is printed next to it as a
-cross-check; it also counts elementwise work, so it is somewhat larger.
+Norms, RoPE, softmax, the loss and the optimizer are not counted (O(params) or O(B*T*(E+V)) each).
+The XLA cost analysis of the compiled step (`.lower().compile().cost_analysis()["flops"]`) is
+printed next to it as a cross-check; it counts that elementwise work too (1.01x at the default size).
 
-Peak: a jitted N x N @ N x N float32 matmul (2*N^3 FLOPs, N = --peak-n, default 2048), timed
-(median of --peak-repeats calls) right before each timed step, so that steps and peak share the same
-machine state; the peak reported is the median of those. The machine may be shared: the load average
-is printed at the start and the end, and the MFU of each step against its own peak is printed too.
+Peak: a jitted N x N @ N x N float32 matmul (2*N^3 FLOPs, N = --peak-n, default 2048), timed (median
+of --peak-repeats calls) right before each timed step, so that steps and peak see the same machine
+state; the peak reported is the median of those, the MFU is median step FLOP/s over it. On a shared
+machine other jobs take time slices from both, at different moments, so the tool also prints: the
+load average (start and end); the median over steps of each step's MFU against its own peak; the
+best step against the best peak; and an MFU from CPU time (step FLOPs per CPU-second of this process
+over the matmul's), which time slices taken by other jobs do not change much.
 
-    python tools/bench_train.py                 # default size, ~1-3 s steps on 2 CPU cores
-    python tools/bench_train.py --breakdown     # also time forward, forward+backward, optimizer apart
+Compile time: `lower().compile()` of the very function Learner.step calls, timed apart; the first
+Learner.step call (printed too) reuses that executable. Neither is in the step figures.
 
-XLA flags: --xla-flags is appended to XLA_FLAGS before jax is imported (only in this process).
+XLA flags: --xla-flags (default below) is appended to XLA_FLAGS before jax is imported, in this
+process only. The default, --xla_cpu_copy_insertion_use_region_analysis=true, lets XLA update the
+donated Adam moments in place instead of copying them first (both moments of every parameter, 2 x
+37.8M floats a step at the default size; about 3% of the step's CPU time). Pass --xla-flags= (empty)
+for what the trainer gets; give flags as --xla-flags=--xla_...=... (with the `=`).
 """
 
 from __future__ import annotations
@@ -37,6 +57,9 @@ import os
 import statistics
 import sys
 import time
+
+
+DEFAULT_XLA_FLAGS = "--xla_cpu_copy_insertion_use_region_analysis=true"
 
 
 def parse_args(argv=None):
@@ -63,7 +86,8 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     r.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
     r.add_argument("--peak-repeats", type=int, default=5, help="matmuls per peak measurement (median)")
-    r.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS for this process")
+    r.add_argument("--xla-flags", default=DEFAULT_XLA_FLAGS,
+                   help=f"appended to XLA_FLAGS for this process (default {DEFAULT_XLA_FLAGS!r}; '' for none)")
     r.add_argument("--no-cost-analysis", action="store_true", help="skip the XLA cost-analysis cross-check")
     r.add_argument("--breakdown", action="store_true",
                    help="also time forward, forward(+entropy), forward+backward and the optimizer apart")
@@ -87,16 +111,19 @@ from grpo_jax.losses import LossConfig  # noqa: E402
 from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
 
 
-def model_flops(c: ModelConfig, batch: int, seq: int) -> dict[str, float]:
-    """Analytic forward+backward FLOPs of one step (see the module docstring)."""
+def model_flops(c: ModelConfig, batch: int, seq: int, scored: int = 0) -> dict[str, float]:
+    """Analytic forward+backward FLOPs of one step (see the module docstring). `scored`: positions per
+    row that go through the LM head (TrainBatch.completion_len; 0 = all `seq`)."""
     e, h, kv, d, m, v, n_layers = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
                                    c.intermediate_size, c.vocab_size, c.num_layers)
+    scored = scored or seq
     per_layer = e * h * d + 2 * e * kv * d + h * d * e + 3 * e * m
-    n_matmul = n_layers * per_layer + e * v
-    tokens = batch * seq
-    dense = 6.0 * n_matmul * tokens
+    n_body, n_head = n_layers * per_layer, e * v
+    body = 6.0 * n_body * batch * seq
+    head = 6.0 * n_head * batch * scored
     attention = 12.0 * n_layers * batch * seq**2 * h * d
-    return {"n_matmul": n_matmul, "dense": dense, "attention": attention, "total": dense + attention}
+    return {"n_matmul": n_body + n_head, "body": body, "head": head, "attention": attention,
+            "total": body + head + attention}
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -177,14 +204,19 @@ def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) ->
         pos = positions_from_mask(batch.input_mask)
         return model.hidden_states(batch.tokens[:, :-1], pos[:, :-1], batch.input_mask[:, :-1])[0]
 
+    # As make_train_step's micro_loss: the LM head runs on the scored (completion) positions only.
+    last = getattr(batch, "completion_len", 0)
+    scored = batch.scored if last else (lambda x: x)
+
     def fwd(params, batch, with_entropy):
         model = nnx.merge(graphdef, params)
-        return token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=with_entropy)
+        kwargs = {"last": last} if last else {}
+        return token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=with_entropy, **kwargs)
 
     def loss_fn(params, batch, with_entropy):
         logp, ent = fwd(params, batch, with_entropy)
-        return policy_loss(logp, jax.lax.stop_gradient(logp), batch.behaviour_logprobs, None,
-                           batch.advantages, batch.loss_mask, loss_config, entropies=ent)
+        return policy_loss(logp, jax.lax.stop_gradient(logp), scored(batch.behaviour_logprobs), None,
+                           batch.advantages, scored(batch.loss_mask), loss_config, entropies=ent)
 
     def apply(params, opt_state, grads):
         updates, new_state = opt.update(grads, opt_state, params)
@@ -231,7 +263,7 @@ def main(args) -> dict:
     params_total = count_params(model)
     learner = Learner(model, optim_config, loss_config)
     batch = synthetic_batch(config, args.batch, args.seq, args.prompt_frac, args.ragged, args.seed)
-    flops = model_flops(config, args.batch, args.seq)
+    flops = model_flops(config, args.batch, args.seq, getattr(batch, "completion_len", 0))
     tokens = args.batch * args.seq
     print(f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, mlp {config.intermediate_size}, "
           f"{config.num_layers} layers, {config.num_heads}/{config.num_kv_heads} heads x "
@@ -239,8 +271,9 @@ def main(args) -> dict:
           f"({flops['n_matmul'] / 1e6:.2f}M in matmuls)", flush=True)
     print(f"batch: {args.batch} rows x {args.seq} positions = {tokens} tokens "
           f"({int(np.asarray(batch.loss_mask).sum())} trained), micro-batch {args.micro or args.batch}; "
-          f"model FLOPs/step {flops['total'] / 1e9:.2f} G (dense {flops['dense'] / 1e9:.2f} G + attention "
-          f"{flops['attention'] / 1e9:.2f} G)", flush=True)
+          f"{getattr(batch, 'completion_len', 0) or args.seq} positions/row through the LM head; model FLOPs/step "
+          f"{flops['total'] / 1e9:.2f} G (layers {flops['body'] / 1e9:.2f} G + LM head {flops['head'] / 1e9:.2f} G + "
+          f"attention {flops['attention'] / 1e9:.2f} G)", flush=True)
 
     # Compile apart (lower + compile of the very function Learner.step calls), then the first real
     # call, which compiles again through jit's own cache unless the two share it.
