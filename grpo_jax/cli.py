@@ -208,7 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may also follow options (`train CONFIG --run-dir D optim.lr=1e-6`): argparse leaves those
+    # unparsed, so collect key=value leftovers into the overrides and refuse anything else.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     try:
         return args.func(args) or 0
     except USER_ERRORS as e:

@@ -25,7 +25,7 @@ from flax import nnx
 from grpo_jax.errors import CheckpointError
 from grpo_jax.model import DTYPES, ModelConfig, Transformer, param_dict
 from grpo_jax.safetensors_io import SafetensorsFile, save_file
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.tokenizer import Tokenizer, read_json
 
 __all__ = ["CheckpointError", "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model",
            "save_hf_model"]
@@ -239,15 +239,9 @@ def _to_hf(entry: _Entry, array: np.ndarray) -> np.ndarray:
 
 
 def _read_config(path: Path) -> dict:
-    file = path / CONFIG_FILE
-    if not file.exists():
-        raise CheckpointError(f"{file}: not found (is {path} a Hugging Face model directory?)")
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: cannot parse JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
+    cfg = read_json(path / CONFIG_FILE)
+    if cfg is None:
+        raise CheckpointError(f"{path / CONFIG_FILE}: not found (is {path} a Hugging Face model directory?)")
     return cfg
 
 

@@ -65,7 +65,8 @@ def _eos_list(value) -> list[int]:
     return values
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON object file, or None when absent; unreadable or non-object content is a CheckpointError."""
     if not path.exists():
         return None
     try:
@@ -132,7 +133,7 @@ class Tokenizer:
         except Exception as e:  # the Rust library raises plain Exception for any parse problem
             raise CheckpointError(f"{tok_file}: cannot load tokenizer ({e})") from e
 
-        config = _read_json(path / TOKENIZER_CONFIG_FILE) or {}
+        config = read_json(path / TOKENIZER_CONFIG_FILE) or {}
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]: use the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -143,7 +144,7 @@ class Tokenizer:
         # Stop ids: generation_config.json is what generate() uses; config.json when it is absent.
         extra_eos, pad_id = [], None
         for name in (GENERATION_CONFIG_FILE, "config.json"):
-            data = _read_json(path / name)
+            data = read_json(path / name)
             if data is None:
                 continue
             try:
@@ -218,7 +219,7 @@ class Tokenizer:
         eos_token_id = [self._tok.token_to_id(self.eos_token)] if self.eos_token is not None else []
         if list(self._eos_ids) != eos_token_id:
             gen_file = path / GENERATION_CONFIG_FILE
-            gen = _read_json(gen_file) or {}
+            gen = read_json(gen_file) or {}
             gen["eos_token_id"] = list(self._eos_ids)
             gen_file.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
 

@@ -88,3 +88,10 @@ def test_audit_exit_code_follows_the_ledger(tmp_path, capsys):
     assert main(["audit", str(tmp_path)]) == 1
     assert "trained twice" in capsys.readouterr().out
     assert main(["audit", str(tmp_path / "none")]) == EXIT_USER_ERROR
+
+
+def test_overrides_may_follow_options(capsys):
+    assert main(["train", TINY, "--run-dir", "/nonexistent/never", "optim.learning_rate=1"]) == EXIT_USER_ERROR
+    assert "unknown config key 'optim.learning_rate'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", TINY, "--run-dir", "x", "--bogus"])
