@@ -54,6 +54,7 @@ class TrainerConfig:
     reward_timeout_s: float = 10.0  # per reward call; a slower reward fails its samples
     progress: bool = True
     tensorboard: bool = True
+    save_final_model: bool = True  # RUN_DIR/final_model in Hugging Face layout when the run ends
 
     def validate(self) -> list[str]:
         problems = []

@@ -379,6 +379,10 @@ class Trainer:
             self.ledger.close()
         if self.actor.error is not None and not history:
             raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
+        if history and cfg.trainer.save_final_model:
+            # Hugging Face layout, so `grpo-jax generate --model RUN_DIR/final_model` and transformers load it.
+            from grpo_jax.hf import save_hf_model
+            save_hf_model(self.learner.model(), self.run_dir / "final_model", tokenizer=self.tokenizer)
         return history
 
     def _learn(self, groups: list[Group], step: int) -> dict:

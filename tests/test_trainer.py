@@ -59,6 +59,9 @@ def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
     assert len(rows) == 6 and rows[-1]["step"] == 6
     assert list((tmp_path / "tb").iterdir()), "no TensorBoard event file"
     assert (tmp_path / "config.yaml").is_file()
+    from grpo_jax.hf import load_hf_model
+    final, _ = load_hf_model(tmp_path / "final_model")  # the trained policy, loadable as a HF checkpoint
+    assert (jax.device_get(final.embed[...]) == jax.device_get(trainer.learner.params["embed"][...])).all()
     # The learner's and the actor's copy of the weights agree after the last sync.
     learner_leaf = jax.tree.leaves(trainer.learner.params)[0]
     actor_leaf = jax.tree.leaves(trainer.sampler.state)[0]
