@@ -271,13 +271,6 @@ def group_rows(groups: list[Group], group_size: int):
     return prompts, completions, logprobs, np.asarray(advantages, np.float32)
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
-
-
 class Trainer:
     def __init__(self, config: Config, run_dir: str | pathlib.Path | None = None):
         self.config = config
@@ -310,7 +303,9 @@ class Trainer:
         self.buffer = ReplayBuffer(capacity, grpo.max_staleness, grpo.prompts_per_step)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards)
-        self.prompt_bucket = _bucket(min(config.data.max_prompt_len, config.sampler.max_prompt_len))
+        # One fixed learner shape for the run (no recompiles): no prompt can be longer than both limits,
+        # since the data marks longer ones bad_row and the sampler refuses them.
+        self.prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
         self.completion_bucket = config.sampler.max_new_tokens
 
     def _take_step_groups(self, step: int) -> list[Group]:

@@ -85,6 +85,23 @@ def test_admission_arithmetic():
     assert b.reserved == 0 and b.reserve(2, actor_version=1)
 
 
+def test_admissible_tops_up_a_handout_thinned_by_drops():
+    b = ReplayBuffer(capacity=8, max_staleness=0, prompts_per_step=4)
+    assert b.admissible(actor_version=0) == 4
+    assert b.reserve(4, actor_version=0)
+    for o in range(3):
+        b.put(group(o, weight_version=0))
+    b.release(1)  # the fourth prompt was dropped: step 0 still needs one group
+    assert not b.reserve(4, actor_version=0)  # a whole handout no longer fits the bound...
+    assert b.admissible(actor_version=0) == 1  # ...but exactly the missing group does
+    assert b.reserve(1, actor_version=0) and b.admissible(actor_version=0) == 0
+    # With max_steps, nothing beyond the groups the remaining steps need is admitted.
+    c = ReplayBuffer(capacity=8, max_staleness=2, prompts_per_step=2)
+    assert c.admissible(actor_version=0) == 6
+    assert c.admissible(actor_version=0, max_steps=2) == 4
+    assert c.admissible(actor_version=0, max_steps=0) == 0
+
+
 def test_max_staleness_0_is_synchronous_grpo_through_the_same_code():
     """An actor thread and the learner, the actor only on weights it has seen published. With
     max_staleness 0 every group of step k is generated with version k and trained at version k; no group
