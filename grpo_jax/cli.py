@@ -126,22 +126,44 @@ def cmd_generate(args) -> None:
           f"({generated / max(elapsed, 1e-9):.0f} tokens/s, compilation included)", file=sys.stderr)
 
 
-def cmd_train(args) -> None:
+def show_trainer_log() -> None:
+    """grpo_jax's own INFO lines (resume, data exhausted, ...) on stderr; other libraries stay at their level."""
+    import logging
+
+    log = logging.getLogger("grpo_jax")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def cmd_train(args) -> int:
+    """Train; resumes from the newest good checkpoint in the run directory. Exit 0 when done,
+    EXIT_PREEMPTED (75) after a SIGTERM/SIGINT once its checkpoint is committed."""
     from grpo_jax.config import Config
     from grpo_jax.config_io import load_config
     from grpo_jax.data import DataError
-    from grpo_jax.trainer import Trainer, TrainerError
+    from grpo_jax.trainer import EXIT_PREEMPTED, Trainer, TrainerError
 
     config = load_config(Config, args.config, args.overrides)
     run_dir = args.run_dir or config.run_dir
+    show_trainer_log()
     try:
-        history = Trainer(config, run_dir).train()
+        trainer = Trainer(config, run_dir)
+        history = trainer.train()
     except (DataError, TrainerError) as e:
         raise UsageError(str(e)) from e
+    if trainer.preempted:
+        print(f"preempted after step {trainer.version}; checkpoint saved in {run_dir}: run the same command to "
+              "resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     if history:
         last = history[-1]
         print(f"trained {last['step']} steps in {last['time/elapsed_s']:.0f}s; final reward/mean "
               f"{last['reward/mean']:.3f}; run directory {run_dir}")
+    return 0
 
 
 def cmd_plot(args) -> None:

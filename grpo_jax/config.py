@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from grpo_jax.checkpoint import CheckpointConfig
 from grpo_jax.data import DataConfig
 from grpo_jax.learner import OptimConfig
 from grpo_jax.losses import LossConfig
@@ -89,6 +90,7 @@ class Config:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshLayout = dataclasses.field(default_factory=MeshLayout)
     seed: int = 0
     run_dir: str = "runs/default"

@@ -41,7 +41,9 @@ it instead of waiting forever. Without one it means "nothing more will be put": 
 what is left, possibly fewer than n, with drained=True.
 
 Serialisation: to_state()/from_state() use plain JSON values only (arrays as {"__ndarray__": dtype,
-shape, data}); nothing is pickled, so loading a checkpoint never runs code. Pure Python + numpy, no JAX.
+shape, data}); nothing is pickled, so loading a checkpoint never runs code. With an ArrayPool the arrays
+go into one flat array per dtype instead (what an Orbax checkpoint stores) and the JSON points into them.
+Pure Python + numpy, no JAX.
 """
 
 from __future__ import annotations
@@ -251,10 +253,11 @@ class ReplayBuffer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def to_state(self) -> dict:
+    def to_state(self, pool: "ArrayPool | None" = None) -> dict:
         """The waiting groups as plain JSON values (reservations are not saved: in-flight generation is
         lost on a restart, and the collector hands those prompts out again). `ordinals` lists the
-        groups' ordinals: pass it to Collector.checkpoint_state, after taking this state."""
+        groups' ordinals: pass it to Collector.checkpoint_state, after taking this state. With `pool`,
+        the groups' arrays go into the pool and the state holds references to them."""
         with self._cond:
             groups = [self._groups[o] for o in sorted(self._groups)]
             return {
@@ -264,26 +267,28 @@ class ReplayBuffer:
                 "prompts_per_step": self.prompts_per_step,
                 "learner_version": self._learner_version,
                 "ordinals": [g.ordinal for g in groups],
-                "groups": [to_plain(dataclasses.asdict(g)) for g in groups],
+                "groups": [to_plain(dataclasses.asdict(g), pool=pool) for g in groups],
             }
 
     @classmethod
     def from_state(cls, state: dict, capacity: int | None = None, max_staleness: int | None = None,
-                   prompts_per_step: int | None = None) -> "ReplayBuffer":
-        """A buffer holding the saved groups; the sizes default to the saved ones (a new config may change
-        them). Raises ValueError if the saved groups do not fit the capacity."""
+                   prompts_per_step: int | None = None, pool: "ArrayPool | None" = None,
+                   learner_version: int | None = None) -> "ReplayBuffer":
+        """A buffer holding the saved groups; the sizes and learner version default to the saved ones (a
+        new config may change them). `pool`: the arrays a state taken with a pool refers to. Raises
+        ValueError if the saved groups do not fit the capacity."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"replay buffer state: expected format {STATE_FORMAT!r}")
         buffer = cls(
             capacity if capacity is not None else state["capacity"],
             max_staleness if max_staleness is not None else state["max_staleness"],
             prompts_per_step if prompts_per_step is not None else state["prompts_per_step"],
-            learner_version=state["learner_version"],
+            learner_version=state["learner_version"] if learner_version is None else learner_version,
         )
         if len(state["groups"]) > buffer.capacity:
             raise ValueError(f"replay buffer state holds {len(state['groups'])} groups, capacity is {buffer.capacity}")
         for plain in state["groups"]:
-            group = Group(**from_plain(plain))
+            group = Group(**from_plain(plain, pool))
             buffer._groups[group.ordinal] = group
         return buffer
 
@@ -312,9 +317,44 @@ class ReplayBuffer:
 # Plain-JSON encoding of group contents.
 
 
-def to_plain(value: Any, where: str = "group") -> Any:
+class ArrayPool:
+    """Arrays gathered into one flat array per dtype: a replay buffer saved "as arrays" is a few large
+    arrays (for Orbax) plus JSON references {"__pooled__": dtype, "start", "shape"} into them."""
+
+    def __init__(self, flats: dict[str, Any] | None = None):
+        self.flats = {k: np.asarray(v) for k, v in (flats or {}).items()}
+        self._parts: dict[str, list[np.ndarray]] = {}
+        self._sizes: dict[str, int] = {}
+
+    def put(self, array: np.ndarray) -> dict:
+        key = str(array.dtype)
+        start = self._sizes.get(key, 0)
+        self._parts.setdefault(key, []).append(array.ravel())
+        self._sizes[key] = start + array.size
+        return {"__pooled__": key, "start": start, "shape": list(array.shape)}
+
+    def get(self, ref: dict) -> np.ndarray:
+        try:
+            flat = self.flats[ref["__pooled__"]]
+            start, shape = int(ref["start"]), [int(d) for d in ref["shape"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"replay buffer state: bad array reference {ref!r} ({e!r})") from e
+        size = int(np.prod(shape))
+        if start + size > flat.size:
+            raise ValueError(f"replay buffer state: reference {ref!r} runs past the end of its array ({flat.size})")
+        return flat[start:start + size].reshape(shape).copy()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The flat arrays, each with one trailing pad element: Orbax refuses zero-size arrays, and an
+        empty buffer still saves one array."""
+        parts = self._parts or {"int32": []}
+        return {k: np.concatenate(v + [np.zeros(1, _dtype(k))]) for k, v in parts.items()}
+
+
+def to_plain(value: Any, where: str = "group", pool: ArrayPool | None = None) -> Any:
     """`value` as JSON values: arrays (anything with dtype/shape, numpy or not) become
-    {"__ndarray__": dtype, "shape": [...], "data": [...]}, bytes {"__bytes__": base64}, tuples lists."""
+    {"__ndarray__": dtype, "shape": [...], "data": [...]} (or, with `pool`, a reference into it), bytes
+    {"__bytes__": base64}, tuples lists."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
@@ -322,29 +362,35 @@ def to_plain(value: Any, where: str = "group") -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where}: dict key {k!r} is not a string")
-            out[k] = to_plain(v, f"{where}.{k}")
+            out[k] = to_plain(v, f"{where}.{k}", pool)
         return out
     if isinstance(value, (list, tuple)):
-        return [to_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [to_plain(v, f"{where}[{i}]", pool) for i, v in enumerate(value)]
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
     if hasattr(value, "dtype") and hasattr(value, "shape"):
         array = np.asarray(value)
         if array.dtype.kind not in "biuf" and not _is_ml_dtype(array.dtype):
             raise TypeError(f"{where}: array of dtype {array.dtype} cannot be saved as plain numbers")
+        if pool is not None:
+            return pool.put(array)
         return {"__ndarray__": str(array.dtype), "shape": list(array.shape), "data": array.ravel().tolist()}
     raise TypeError(f"{where}: {type(value).__name__} cannot be saved as plain JSON")
 
 
-def from_plain(value: Any) -> Any:
+def from_plain(value: Any, pool: ArrayPool | None = None) -> Any:
     if isinstance(value, list):
-        return [from_plain(v) for v in value]
+        return [from_plain(v, pool) for v in value]
     if isinstance(value, dict):
+        if "__pooled__" in value:
+            if pool is None:
+                raise ValueError("replay buffer state refers to pooled arrays, but none were given")
+            return pool.get(value)
         if "__ndarray__" in value:
             return np.asarray(value["data"], dtype=_dtype(value["__ndarray__"])).reshape(value["shape"])
         if "__bytes__" in value:
             return base64.b64decode(value["__bytes__"])
-        return {k: from_plain(v) for k, v in value.items()}
+        return {k: from_plain(v, pool) for k, v in value.items()}
     return value
 
 

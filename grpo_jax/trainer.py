@@ -13,13 +13,21 @@ a group that grows too stale anyway is generated again (never silently evicted).
 synchronous, on-policy GRPO through the same code.
 
 Every prompt handed out ends in the ledger (RUN_DIR/events.jsonl) as trained or dropped with a reason.
+
+Checkpoints and resume (grpo_jax.checkpoint; ../shared/reference/frontier-restore.md is binding): every
+checkpoint.every_steps steps and/or every_seconds, the learner saves, as one Orbax step, its parameters and
+optimizer state, the replay buffer (taken first), then the collector state (frontier, the iterator snapshot
+at or before the cut, exact accounting above it, ledger line covered). `train` on a run directory that
+holds checkpoints resumes from the newest good one. SIGTERM/SIGINT finish or abandon the current step,
+save, and exit with EXIT_PREEMPTED; a second signal exits at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 import pathlib
+import signal
 import threading
 import time
 from typing import Any
@@ -30,21 +38,27 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.advantages import group_advantages
+from grpo_jax.checkpoint import Checkpoints, Restored
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
 from grpo_jax.config_io import save_config
-from grpo_jax.data import make_data_iterator
+from grpo_jax.data import DataError, make_data_iterator
+from grpo_jax.errors import CheckpointError
 from grpo_jax.learner import Learner, pack_batch
-from grpo_jax.ledger import Ledger
+from grpo_jax.ledger import LEDGER_FILE, Ledger
 from grpo_jax.metrics import MetricsWriter
 from grpo_jax.model import Transformer, create_model
-from grpo_jax.replay_buffer import Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.sampler import Sampler
 from grpo_jax.sharding import make_mesh, shard_module, state_shardings
 from grpo_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger("grpo_jax.trainer")
+
+# `grpo-jax train` exits with this after a SIGTERM/SIGINT once its checkpoint is committed (EX_TEMPFAIL:
+# "try again"; run the same command to resume). A second signal exits at once with 128 + the signal.
+EXIT_PREEMPTED = 75
 
 
 class TrainerError(RuntimeError):
@@ -88,10 +102,10 @@ def split_devices(config: Config) -> tuple[list, list]:
     return devices[:n], devices[n:]
 
 
-def group_key(seed: int, ordinal: int, regenerations: int) -> jax.Array:
-    """A group's sampling key depends only on the run seed, its ordinal and its regeneration count, never
-    on thread timing or on which other prompts share its batch."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), ordinal), regenerations)
+def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Array:
+    """A group's sampling key depends only on the run's base key, its ordinal and its regeneration count,
+    never on thread timing or on which other prompts share its batch (so a resumed run draws the same)."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, ordinal), regenerations)
 
 
 def weights_copy(state, shardings):
@@ -107,8 +121,9 @@ class Actor:
     """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
 
     def __init__(self, config: Config, sampler: Sampler, tokenizer: Tokenizer, collector: Collector,
-                 buffer: ReplayBuffer, rewards: RewardSuite, version: int = 0):
+                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0):
         self.config = config
+        self.base_key = base_key
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.collector = collector
@@ -207,7 +222,7 @@ class Actor:
         cfg = self.config.grpo
         g = cfg.group_size
         version = self._version
-        keys = jnp.stack([jax.random.split(group_key(self.config.seed, p.ordinal, p.record.get("regenerations", 0)), g)
+        keys = jnp.stack([jax.random.split(group_key(self.base_key, p.ordinal, p.record.get("regenerations", 0)), g)
                           for p in good]).reshape(-1)
         prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
         start = time.perf_counter()
@@ -271,6 +286,41 @@ def group_rows(groups: list[Group], group_size: int):
     return prompts, completions, logprobs, np.asarray(advantages, np.float32)
 
 
+class StopSignals:
+    """SIGTERM/SIGINT handling for a preemptible run: the first signal asks the learner to stop after the
+    current step (and save); a second exits the process at once. Only the main thread can install signal
+    handlers; elsewhere (a trainer run from a worker thread) this does nothing and stop() still works."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            # Nothing more is written; the last committed checkpoint is where a resume starts.
+            os.write(2, f"grpo-jax: second {signal.Signals(signum).name}: exiting at once\n".encode())
+            os._exit(128 + signum)
+        self.received = signum
+        logger.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
+                       "(send it again to exit at once)", signal.Signals(signum).name)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a preemption stop without a signal (tests, embedding code)."""
+        self.received = signum
+
+
 class Trainer:
     def __init__(self, config: Config, run_dir: str | pathlib.Path | None = None):
         self.config = config
@@ -287,39 +337,210 @@ class Trainer:
         if config.loss.needs_reference:
             reference = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         self.learner = Learner(policy, config.optim, config.loss, reference_model=reference)
-        self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
-        actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings))
-        self.sampler = Sampler(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
-                               config=config.sampler)
+        self.base_key = jax.random.key(config.seed)
         self.version = 0
 
         # Each JAX process reads its own shard of the stream (one process here; several on a pod).
         self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=jax.process_index(),
                                            shard_count=jax.process_count())
-        self.ledger = Ledger(self.run_dir)
         grpo = config.grpo
-        self.collector = Collector(self.iterator, handout_size=grpo.prompts_per_step, ledger=self.ledger)
-        capacity = config.trainer.buffer_capacity or grpo.prompts_per_step * (grpo.max_staleness + 2)
-        self.buffer = ReplayBuffer(capacity, grpo.max_staleness, grpo.prompts_per_step)
+        self.buffer_capacity = config.trainer.buffer_capacity or grpo.prompts_per_step * (grpo.max_staleness + 2)
+        self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
+        self.resumed_from: int | None = None
+        restored = self.checkpoints.load_latest(self._abstract_state(), self._check_resumable)
+        self.preempted = False
+        self.already_done = restored is not None and restored.step >= config.trainer.max_steps
+        if self.already_done:
+            # Nothing to train: leave the ledger (and the finished run's audit) exactly as it is.
+            self.version = self.resumed_from = restored.step
+            self.checkpoints.close()
+            return
+        if restored is None:
+            self._start_fresh()
+        else:
+            self._resume(restored)
+
+        self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
+        actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings))
+        self.sampler = Sampler(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
+                               config=config.sampler)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
-        self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards)
+        self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards,
+                           self.base_key, version=self.version)
         # One fixed learner shape for the run (no recompiles): no prompt can be longer than both limits,
         # since the data marks longer ones bad_row and the sampler refuses them.
         self.prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
         self.completion_bucket = config.sampler.max_new_tokens
+        self.stop_signals = StopSignals()
+        self._frontier_of_save: dict[int, tuple[int, dict | None]] = {}
 
-    def _take_step_groups(self, step: int) -> list[Group]:
-        """Block until a full step of groups is there (requeueing any that grew too stale)."""
+    # -- start and resume ----------------------------------------------------------------------------
+
+    def _new_buffer(self, learner_version: int) -> ReplayBuffer:
+        grpo = self.config.grpo
+        return ReplayBuffer(self.buffer_capacity, grpo.max_staleness, grpo.prompts_per_step,
+                            learner_version=learner_version)
+
+    def _new_collector(self, ledger: Ledger) -> Collector:
+        return Collector(self.iterator, handout_size=self.config.grpo.prompts_per_step,
+                         snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=ledger)
+
+    def _start_fresh(self) -> None:
+        if (self.run_dir / LEDGER_FILE).exists():
+            logger.warning("%s has a ledger but no usable checkpoint: starting from scratch; the ledger starts a "
+                           "new chain and the audit counts only this start", self.run_dir)
+        self.ledger = Ledger(self.run_dir)
+        self.buffer = self._new_buffer(0)
+        self.collector = self._new_collector(self.ledger)
+
+    def _saved_state(self) -> dict:
+        return {"params": self.learner.params, "opt_state": self.learner.opt_state,
+                "rng": jax.random.key_data(self.base_key)}
+
+    def _abstract_state(self) -> Any:
+        """Where restored arrays go: like the live ones, except that single-device leaves (the optimizer's
+        step count, made uncommitted by optax) become replicated on the learner mesh; restored onto one
+        device they would be committed there and clash with the sharded parameters in the step."""
+        replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
+
+        def abstract(x):
+            sharding = replicated if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) else x.sharding
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return jax.tree.map(abstract, self._saved_state())
+
+    def _resume_facts(self) -> dict:
+        """What a checkpoint records and a resume must match (besides the tensor layout)."""
+        return {"data_fingerprint": self.iterator.fingerprint, "worker_count": self.config.data.worker_count,
+                "process_count": jax.process_count(), "group_size": self.config.grpo.group_size}
+
+    def _check_resumable(self, meta: dict, saved: dict) -> None:
+        """Refuse, with the reason, a checkpoint this config cannot resume exactly (see Checkpoints)."""
+        facts, step = meta.get("facts", {}), meta["step"]
+        where = f"checkpoint step {step} in {self.checkpoints.directory}"
+        now = self._resume_facts()
+        if facts.get("data_fingerprint") != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change:
+            raise CheckpointError(
+                f"{where} was written for another dataset, tokenizer, prompt format or shuffle (data fingerprint "
+                f"{facts.get('data_fingerprint')}, now {now['data_fingerprint']}). Resume with the original data "
+                "config, start a new run directory, or set checkpoint.allow_data_change=true to keep the weights "
+                "and optimizer and start a new data stream")
+        if facts.get("data_fingerprint") == now["data_fingerprint"]:
+            if facts.get("worker_count") != now["worker_count"]:
+                raise CheckpointError(
+                    f"{where} was written with data.worker_count={facts.get('worker_count')}, this config has "
+                    f"{now['worker_count']}: Grain cannot restore its iterator under another worker count (set "
+                    f"data.worker_count={facts.get('worker_count')})")
+            if facts.get("process_count") != now["process_count"]:
+                raise CheckpointError(
+                    f"{where} was written by {facts.get('process_count')} JAX process(es), this run has "
+                    f"{now['process_count']}: each process's data shard and iterator state would differ")
+        if (self.config.checkpoint.load_replay_buffer and saved.get("buffer", {}).get("ordinals")
+                and facts.get("group_size") != now["group_size"]):
+            raise CheckpointError(
+                f"{where} holds groups of {facts.get('group_size')} completions, grpo.group_size is now "
+                f"{now['group_size']}: set checkpoint.load_replay_buffer=false to generate them again")
+
+    def _resume(self, restored: Restored) -> None:
+        step, meta = restored.step, restored.meta
+        state = restored.state
+        self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
+        # Placed like a fresh key (default device): keys derived from it go to the actor's jit.
+        self.base_key = jax.random.wrap_key_data(np.asarray(jax.device_get(state["rng"])))
+        self.learner.steps_done = int(meta["learner"]["steps_done"])
+        self.learner.nonfinite_total = int(meta["learner"]["nonfinite_total"])
+        self.version = step
+        self.resumed_from = step
+        saved_collector = restored.collector.get("collector", {})
+        if meta["facts"]["data_fingerprint"] != self.iterator.fingerprint:
+            logger.warning("resuming weights and optimizer from step %d with another dataset/tokenizer/prompt "
+                           "format (checkpoint.allow_data_change): the data stream starts at ordinal 0 and the "
+                           "ledger starts a new chain", step)
+            self.ledger = Ledger(self.run_dir)
+            self.buffer = self._new_buffer(step)
+            self.collector = self._new_collector(self.ledger)
+            return
+        if "frontier_ordinal" not in saved_collector:
+            self._resume_without_ordinals(step, saved_collector)
+            return
+        self.ledger = Ledger(self.run_dir, resumed_from={"step": step, **saved_collector["ledger_covers"]})
+        if self.config.checkpoint.load_replay_buffer:
+            grpo = self.config.grpo
+            self.buffer = ReplayBuffer.from_state(
+                restored.collector["buffer"], self.buffer_capacity, grpo.max_staleness, grpo.prompts_per_step,
+                pool=ArrayPool(restored.buffer_arrays), learner_version=step)
+        else:
+            self.buffer = self._new_buffer(step)
+        try:
+            self.collector = Collector.restore(
+                self.iterator, saved_collector, self.buffer.ordinals(), handout_size=self.config.grpo.prompts_per_step,
+                snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=self.ledger)
+        except DataError as e:
+            raise CheckpointError(f"checkpoint step {step}: {e}") from e
+        counts = self.collector.counts()
+        logger.info("resumed from checkpoint step %d: frontier ordinal %d, %d group(s) restored into the buffer, "
+                    "the data stream goes back to ordinal %d", step, counts["frontier"], len(self.buffer),
+                    saved_collector["resume_base_ordinal"])
+
+    def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
+        """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,
+        with the old lossy behaviour, and say what is lost."""
+        in_flight = (self.config.grpo.max_staleness + 1) * self.config.grpo.prompts_per_step
+        logger.warning(
+            "checkpoint step %d has no ordinal data (an older format): the data stream resumes at the "
+            "iterator's live position at save time, so the prompts that were being generated or waiting in "
+            "the replay buffer then are lost (up to %d with this config) and cannot be counted; the ledger "
+            "starts a new chain. Checkpoints written from now on are exact.", step, in_flight)
+        try:
+            self.iterator.set_state(saved_collector["iterator_state"]["json"])
+        except (KeyError, TypeError, DataError) as e:
+            raise CheckpointError(f"checkpoint step {step}: unusable iterator state in an older-format "
+                                  f"collector record ({e})") from e
+        self.ledger = Ledger(self.run_dir)
+        self.buffer = self._new_buffer(step)
+        self.collector = self._new_collector(self.ledger)
+
+    # -- saving -------------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        """Start an async save of the current state (step = weight version). The buffer's state is taken
+        first, then the collector's (see Collector.checkpoint_state for why this order)."""
+        pool = ArrayPool()
+        buffer_state = self.buffer.to_state(pool)
+        collector_state = self.collector.checkpoint_state(buffer_state["ordinals"])
+        meta = {"facts": self._resume_facts(), "weight_version": self.version,
+                "learner": {"steps_done": self.learner.steps_done, "nonfinite_total": self.learner.nonfinite_total},
+                "frontier_ordinal": collector_state["frontier_ordinal"]}
+        self.checkpoints.save(self.version, self._saved_state(), pool.arrays(),
+                              {"collector": collector_state, "buffer": buffer_state}, meta)
+        self._frontier_of_save[self.version] = (collector_state["frontier_ordinal"], collector_state["ledger_covers"])
+
+    def _record_commits(self, steps: list[int]) -> None:
+        """The ledger's checkpoint line, written once the step is committed on disk."""
+        for step in steps:
+            frontier, covers = self._frontier_of_save.pop(step)
+            self.ledger.checkpoint(step, frontier, covers)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def _take_step_groups(self, step: int) -> list[Group] | None:
+        """Block until a full step of groups is there (requeueing any that grew too stale). None: a stop
+        signal came while waiting (the step is abandoned)."""
         timeout = self.config.trainer.group_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            remaining = deadline - time.monotonic()
+            if self.stop_signals.received is not None:
+                return None
             try:
-                taken = self.buffer.take(self.config.grpo.prompts_per_step, self.version, timeout=max(remaining, 0.01))
+                # Short waits, so a stop signal is seen within half a second.
+                taken = self.buffer.take(self.config.grpo.prompts_per_step, self.version,
+                                         timeout=max(min(deadline - time.monotonic(), 0.5), 0.01))
             except ReplayBufferClosed as e:
                 raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
                                    f"{e.__cause__!r}") from e.__cause__
             except ReplayBufferTimeout:
+                if time.monotonic() < deadline:
+                    continue
                 counts = self.collector.counts()
                 raise TrainerError(
                     f"no full step of {self.config.grpo.prompts_per_step} groups arrived within "
@@ -344,40 +565,77 @@ class Trainer:
         return {"sync/seconds": seconds, "sync/bytes": nbytes}
 
     def train(self) -> list[dict]:
+        """Train to trainer.max_steps (or the end of the data). After a stop signal: save, set
+        `preempted`, and return what was trained."""
         cfg = self.config
-        writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, progress=cfg.trainer.progress,
-                               tensorboard=cfg.trainer.tensorboard)
+        if self.already_done:
+            logger.warning("checkpoint step %d in %s already reaches trainer.max_steps=%d: nothing to train "
+                           "(raise trainer.max_steps to go on)", self.version, self.run_dir, cfg.trainer.max_steps)
+            return []
+        writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
+                               progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard)
         history = []
-        self.actor.start()
-        start_time = time.perf_counter()
-        last = start_time
-        try:
-            for step in range(self.version, cfg.trainer.max_steps):
-                wait_start = time.perf_counter()
-                groups = self._take_step_groups(step)
-                if not groups:
-                    logger.info("data exhausted after %d steps", step)
-                    break
-                wait_seconds = time.perf_counter() - wait_start
-                metrics = self._learn(groups, step)
-                now = time.perf_counter()
-                metrics.update({"time/step_s": now - last, "time/wait_s": wait_seconds,
-                                "time/elapsed_s": now - start_time})
-                metrics["tokens_per_s"] = metrics.pop("_tokens") / max(now - last, 1e-9)
-                last = now
-                writer.write(metrics)
-                history.append(metrics)
-        finally:
-            self.actor.stop()
-            self._account_leftovers()
-            writer.close()
-            self.ledger.close()
+        completed = False
+        with self.stop_signals:
+            try:
+                self.actor.start()
+                history = self._train_loop(writer)
+                self.preempted = self.stop_signals.received is not None
+                completed = not self.preempted
+                if self.preempted or (cfg.checkpoint.save_at_end and history):
+                    if self.checkpoints.last_saved_step != self.version:
+                        self.save_checkpoint()
+                    self._record_commits(self.checkpoints.wait())
+            finally:
+                self.actor.stop()
+                # Saves already started still commit and get their ledger line, even after an error.
+                self._record_commits(self.checkpoints.wait())
+                if completed:
+                    self._account_leftovers()
+                writer.close()
+                self.ledger.close()
+                self.checkpoints.close()
+        if self.preempted:
+            logger.warning("stopped by %s after step %d; checkpoint step %d is committed: run the same command "
+                           "to resume", signal.Signals(self.stop_signals.received).name, self.version, self.version)
         if self.actor.error is not None and not history:
             raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
-        if history and cfg.trainer.save_final_model:
+        if completed and history and cfg.trainer.save_final_model:
             # Hugging Face layout, so `grpo-jax generate --model RUN_DIR/final_model` and transformers load it.
             from grpo_jax.hf import save_hf_model
             save_hf_model(self.learner.model(), self.run_dir / "final_model", tokenizer=self.tokenizer)
+        return history
+
+    def _train_loop(self, writer: MetricsWriter) -> list[dict]:
+        cfg = self.config
+        history = []
+        start_time = time.perf_counter()
+        last = start_time
+        for step in range(self.version, cfg.trainer.max_steps):
+            wait_start = time.perf_counter()
+            groups = self._take_step_groups(step)
+            if groups is None:
+                break  # stop signal while waiting: abandon this step
+            if not groups:
+                logger.info("data exhausted after %d steps", step)
+                break
+            wait_seconds = time.perf_counter() - wait_start
+            metrics = self._learn(groups, step)
+            self._record_commits(self.checkpoints.poll())
+            save_seconds = 0.0
+            if self.checkpoints.due(self.version) and self.stop_signals.received is None:
+                save_start = time.perf_counter()
+                self.save_checkpoint()
+                save_seconds = time.perf_counter() - save_start
+            now = time.perf_counter()
+            metrics.update({"time/step_s": now - last, "time/wait_s": wait_seconds,
+                            "time/elapsed_s": now - start_time, "time/checkpoint_s": save_seconds})
+            metrics["tokens_per_s"] = metrics.pop("_tokens") / max(now - last, 1e-9)
+            last = now
+            writer.write(metrics)
+            history.append(metrics)
+            if self.stop_signals.received is not None:
+                break
         return history
 
     def _learn(self, groups: list[Group], step: int) -> dict:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax.replay_buffer import Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 
 
 def group(ordinal: int, weight_version: int = 0, **kw) -> Group:
@@ -247,3 +247,33 @@ def test_bfloat16_arrays_survive_the_state():
 def test_constructor_refuses_a_capacity_that_fits_no_step():
     with pytest.raises(ValueError, match="capacity"):
         ReplayBuffer(capacity=3, max_staleness=0, prompts_per_step=4)
+
+
+def test_state_as_pooled_arrays_round_trips_and_an_empty_buffer_still_saves_an_array():
+    def array_group(o):
+        return Group(ordinal=o, prompt={"dataset_index": o, "epoch": 0, "prompt_ids": np.array([1, 2, o], np.int32)},
+                     completions=[np.array([5, 6, o], np.int32), np.array([8], np.int32)],
+                     behaviour_logprobs=[np.array([-0.1, -0.2, -0.3], np.float32), np.array([-1.0], np.float32)],
+                     rewards=np.array([1.0, o], np.float32), weight_version=o,
+                     extras={"valid": np.array([True, o % 2 == 0])})
+
+    b = ReplayBuffer(capacity=4, max_staleness=9, prompts_per_step=2, learner_version=3)
+    b.put(array_group(2))
+    b.put(array_group(5))
+    pool = ArrayPool()
+    state = json.loads(json.dumps(b.to_state(pool)))  # the JSON part holds references only
+    assert "__ndarray__" not in json.dumps(state) and "__pooled__" in json.dumps(state)
+    arrays = pool.arrays()
+    assert set(arrays) == {"int32", "float32", "bool"} and all(a.ndim == 1 and a.size >= 1 for a in arrays.values())
+    r = ReplayBuffer.from_state(state, pool=ArrayPool(arrays), learner_version=4)
+    assert r.learner_version == 4 and r.ordinals() == [2, 5]
+    for g in r.take(2, current_version=4).groups:
+        want = array_group(g.ordinal)
+        for field in ("completions", "behaviour_logprobs"):
+            assert [(x.dtype, x.tolist()) for x in getattr(g, field)] == [(x.dtype, x.tolist()) for x in getattr(want, field)]
+        assert g.rewards.dtype == np.float32 and g.rewards.tolist() == want.rewards.tolist()
+        assert g.extras["valid"].dtype == bool and g.extras["valid"].tolist() == want.extras["valid"].tolist()
+        assert g.prompt["prompt_ids"].tolist() == want.prompt["prompt_ids"].tolist()
+    assert ArrayPool().arrays()["int32"].shape == (1,)  # Orbax refuses zero-size arrays
+    with pytest.raises(ValueError, match="runs past the end"):
+        ArrayPool({"int32": np.zeros(2, np.int32)}).get({"__pooled__": "int32", "start": 1, "shape": [4]})

@@ -1,0 +1,137 @@
+"""End to end: `grpo-jax train` (async, on CPU) is stopped by SIGTERM, then killed with SIGKILL at random
+moments (once while a checkpoint is being written, once during start-up), resumed each time, and run to
+its end. `grpo-jax audit` must report nothing lost and nothing trained twice, and the ledger must agree
+with the final checkpoint's own accounting."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_trainer import FAST, REPO
+
+MAX_STEPS = 24
+OVERRIDES = FAST + [f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=2", "checkpoint.every_steps=2",
+                    "checkpoint.keep_last=2", "trainer.tensorboard=false", "optim.decay_steps=24"]
+
+
+def start(run_dir: pathlib.Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"),
+               "--run-dir", str(run_dir)] + OVERRIDES
+    log = open(run_dir.parent / "train.log", "ab")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def ledger_lines(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def train_lines_of_last_run(run_dir: pathlib.Path) -> int:
+    lines = ledger_lines(run_dir)
+    last = max((line["run"] for line in lines), default=-1)
+    return sum(1 for line in lines if line["run"] == last and line["event"] == "train")
+
+
+def wait_for(predicate, process: subprocess.Popen, timeout: float, what: str, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            pytest.fail(f"the trainer exited with {process.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def save_in_progress(run_dir: pathlib.Path) -> bool:
+    directory = run_dir / "checkpoints"
+    return directory.exists() and any("orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
+
+
+def surviving_chain(lines: list[dict]) -> list[dict]:
+    """An independent reader of the ledger contract (../shared/reference/ledger.md)."""
+    by_run: dict[int, list[dict]] = {}
+    for line in lines:
+        by_run.setdefault(line["run"], []).append(line)
+    chain, run, upto = [], max(by_run), None
+    while True:
+        chain = [line for line in by_run[run] if upto is None or line["seq"] <= upto] + chain
+        resumed = by_run[run][0]["resumed_from"]
+        if resumed is None:
+            return chain
+        run, upto = resumed["run"], resumed["seq"]
+
+
+def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_twice(tmp_path):
+    rng = random.Random(int(os.environ.get("GRPO_JAX_E2E_SEED", "0")))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    # 1. SIGTERM after a few steps: the trainer saves and exits with the documented code.
+    process = start(run_dir)
+    wait_for(lambda: train_lines_of_last_run(run_dir) >= 3, process, 300, "3 steps")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(120) == 75, (tmp_path / "train.log").read_text()[-3000:]
+
+    # 2. SIGKILL while a checkpoint is being written (Orbax's temporary step directory exists).
+    process = start(run_dir)
+    wait_for(lambda: train_lines_of_last_run(run_dir) >= 1, process, 300, "a step after resuming")
+    wait_for(lambda: save_in_progress(run_dir), process, 300, "a checkpoint save", poll=0.0005)
+    process.kill()
+    process.wait()
+
+    # 3 and 4. SIGKILL at random moments: some time after the first step of this start, and during start-up.
+    for first_steps, extra in ((1, rng.uniform(0.0, 4.0)), (0, rng.uniform(1.0, 6.0))):
+        process = start(run_dir)
+        wait_for(lambda: train_lines_of_last_run(run_dir) >= first_steps, process, 300, "the trainer to start")
+        time.sleep(extra)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+    # 5. Resume and run to the end.
+    process = start(run_dir)
+    assert process.wait(600) == 0, (tmp_path / "train.log").read_text()[-3000:]
+
+    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    print(audit.stdout)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "lost:                 0" in audit.stdout and "trained twice:        0" in audit.stdout
+    lines = ledger_lines(run_dir)
+    assert len({line["run"] for line in lines}) >= 5  # every start wrote its run_start
+
+    # Training reached its end.
+    chain = surviving_chain(lines)
+    steps = [line["step"] for line in chain if line["event"] == "train"]
+    assert steps == list(range(1, MAX_STEPS + 1))
+    assert (run_dir / "final_model" / "config.json").is_file()
+
+    # The ledger agrees with the final checkpoint: the ordinals it accounts for are exactly the ones trained
+    # or dropped in the surviving chain up to the ledger line the checkpoint covers.
+    final = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert final == MAX_STEPS
+    saved = json.loads((run_dir / "checkpoints" / str(final) / "collector" / "metadata").read_text())["collector"]
+    accounted = set(range(saved["accounted_from"]))
+    for a, b in saved["accounted_ranges"]:
+        accounted |= set(range(a, b))
+    covers = saved["ledger_covers"]
+    upto_covers, seen_cover = [], False
+    for line in chain:
+        if not seen_cover:
+            upto_covers.append(line)
+        seen_cover = seen_cover or (line["run"], line["seq"]) == (covers["run"], covers["seq"])
+    in_ledger = {o for line in upto_covers if line["event"] == "train" for o in line["ordinals"]}
+    in_ledger |= {line["ordinal"] for line in upto_covers if line["event"] == "drop"}
+    assert in_ledger == accounted
+    assert saved["trained_count"] == len({o for line in upto_covers if line["event"] == "train" for o in line["ordinals"]})
+    assert not list((run_dir / "checkpoints").glob("*orbax-checkpoint-tmp*"))  # the killed save never became a step
