@@ -226,3 +226,21 @@ def test_a_failed_background_save_is_reported_not_lost(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="saving a checkpoint in .* failed: OSError.*No space left"):
         checkpoints.wait()
     assert checkpoints.steps() == []
+
+
+def test_saves_are_due_by_steps_or_by_time(tmp_path, monkeypatch):
+    from grpo_jax import checkpoint as module
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    by_steps = module.Checkpoints(tmp_path / "a", module.CheckpointConfig(every_steps=3))
+    assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9]
+    by_time = module.Checkpoints(tmp_path / "b", module.CheckpointConfig(every_steps=0, every_seconds=60))
+    assert not by_time.due(1)
+    now[0] += 61
+    assert by_time.due(2)
+    small_save(by_time, 2)
+    assert not by_time.due(2) and not by_time.due(3)  # the clock restarts at each save
+    now[0] += 61
+    assert by_time.due(4)
+    by_time.close()
+    by_steps.close()
