@@ -9,6 +9,13 @@ the covered seq, and so on back to run 0; lines past a covered seq were undone b
 reports prompts lost or trained twice. `python -m grpo_jax.ledger RUN_DIR` prints the summary and exits
 1 when the audit fails.
 
+Several JAX processes: each process keeps its own ledger, RUN_DIR/events.process{P}.jsonl, whose
+run_start lines carry `process` and `process_count`. Process P reads every N-th element of the data
+stream (N processes), so its k-th prompt is the stream's element k * N + P, and that global position is
+the ordinal written in its lines; a checkpoint line's frontier_ordinal means "every ordinal of this
+process below it is trained or dropped". The audit follows each file's chain on its own, then merges:
+the global frontier is the lowest of the processes' frontiers.
+
 Pure Python (no JAX).
 """
 
@@ -28,6 +35,11 @@ from typing import Any, Iterable
 logger = logging.getLogger(__name__)
 
 LEDGER_FILE = "events.jsonl"
+
+
+def ledger_file(process_index: int = 0, process_count: int = 1) -> str:
+    """events.jsonl for one process; events.process{P}.jsonl for each of several."""
+    return LEDGER_FILE if process_count == 1 else f"events.process{process_index}.jsonl"
 EVENT_KINDS = ("run_start", "train", "drop", "checkpoint")
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -69,10 +81,16 @@ class Ledger:
     run: the lineage number; None = one more than the highest run already in the file (0 if none).
     resumed_from: None on a fresh start, else {"step": S, "run": R, "seq": N}: the checkpoint step restored
     and the last ledger line it covers (the collector state's `ledger_covers`, plus the step).
+    process_index, process_count: with several processes, the ordinals given to train/drop/checkpoint
+    are this process's own (0, 1, 2, ...) and are written as global ones, local * count + index.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, run: int | None = None, resumed_from: dict | None = None):
-        self.path = Path(run_dir) / LEDGER_FILE
+    def __init__(self, run_dir: str | os.PathLike, run: int | None = None, resumed_from: dict | None = None,
+                 process_index: int = 0, process_count: int = 1):
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index}, process_count={process_count}")
+        self.process_index, self.process_count = int(process_index), int(process_count)
+        self.path = Path(run_dir) / ledger_file(process_index, process_count)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         lines, warnings, errors, complete_len = read_lines(self.path)
@@ -98,8 +116,12 @@ class Ledger:
         self.run = int(run)
         self._next_seq = 0
         self._file = open(self.path, "a", encoding="utf-8")
-        self._write("run_start", {"resumed_from": resumed_from})
+        process = {} if process_count == 1 else {"process": self.process_index, "process_count": self.process_count}
+        self._write("run_start", {"resumed_from": resumed_from, **process})
         self.fsync()
+
+    def _global(self, ordinal: int) -> int:
+        return int(ordinal) * self.process_count + self.process_index
 
     # -- writing ------------------------------------------------------------------------------------
 
@@ -113,7 +135,7 @@ class Ledger:
 
     def train(self, step: int, ordinals: Iterable[int], dataset_index: Iterable[int], epoch: Iterable[int], weight_version: Iterable[int]) -> dict:
         """One learner step: the ordinals it trained, with their dataset index, epoch and weight version."""
-        ordinals, dataset_index = [int(o) for o in ordinals], [int(i) for i in dataset_index]
+        ordinals, dataset_index = [self._global(o) for o in ordinals], [int(i) for i in dataset_index]
         epoch, weight_version = [int(e) for e in epoch], [int(v) for v in weight_version]
         if not len(ordinals) == len(dataset_index) == len(epoch) == len(weight_version):
             raise ValueError("ledger train: ordinals, dataset_index, epoch and weight_version differ in length")
@@ -126,7 +148,7 @@ class Ledger:
         """A prompt handed out that will not be trained; `reason` is a short stable word (e.g. bad_row)."""
         if not _REASON.match(reason):
             raise ValueError(f"ledger drop reason {reason!r}: use a short lowercase word like 'reward_error'")
-        return self._write("drop", {"ordinal": int(ordinal), "dataset_index": int(dataset_index), "epoch": int(epoch), "reason": reason})
+        return self._write("drop", {"ordinal": self._global(ordinal), "dataset_index": int(dataset_index), "epoch": int(epoch), "reason": reason})
 
     def checkpoint(self, step: int, frontier_ordinal: int, covers: dict | None = None) -> dict:
         """Record a committed checkpoint; returns its `covers`. Pass the `covers` taken with the collector
@@ -136,7 +158,7 @@ class Ledger:
             if covers is None:
                 covers = _line_id(self.run, self._next_seq - 1)
             covers = _line_id(covers["run"], covers["seq"])
-        self._write("checkpoint", {"step": int(step), "frontier_ordinal": int(frontier_ordinal), "covers": covers})
+        self._write("checkpoint", {"step": int(step), "frontier_ordinal": self._global(frontier_ordinal), "covers": covers})
         self.fsync()
         return covers
 
@@ -183,7 +205,9 @@ class AuditReport:
     unresolved: int = 0  # ordinals >= frontier seen but not accounted for yet (in flight at the end)
     position_problems: list = dataclasses.field(default_factory=list)  # epoch/dataset_index inconsistencies
     restarts: int = 0  # process starts after the first (all runs in the file)
-    chain: list = dataclasses.field(default_factory=list)  # [(run, last seq counted or None = all)], oldest first
+    process_count: int = 1  # JAX processes (one ledger file each when more than one)
+    # [(run, last seq counted or None = all)], oldest first; with several processes [(file name, that list)]
+    chain: list = dataclasses.field(default_factory=list)
     warnings: list = dataclasses.field(default_factory=list)
     errors: list = dataclasses.field(default_factory=list)  # unreadable lines, a broken chain
 
@@ -195,7 +219,13 @@ class AuditReport:
         def few(xs: list) -> str:
             return "" if not xs else " " + (str(xs[:20]) + (f" ... ({len(xs)} in all)" if len(xs) > 20 else ""))
 
-        chain = " <- ".join(f"run {r}" + ("" if s is None else f" (to seq {s})") for r, s in reversed(self.chain))
+        def links(chain: list) -> str:
+            return " <- ".join(f"run {r}" + ("" if s is None else f" (to seq {s})") for r, s in reversed(chain))
+
+        if self.process_count > 1:  # [(file name, chain)] per process
+            chain = "; ".join(f"{name}: {links(c) or '-'}" for name, c in self.chain)
+        else:
+            chain = links(self.chain)
         dropped = sum(self.dropped_by_reason.values())
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped_by_reason.items()))
         lines = [
@@ -248,16 +278,56 @@ def _surviving_chain(by_run: dict[int, list[dict]], report: AuditReport) -> list
 
 
 def audit(run_dir: str | os.PathLike) -> AuditReport:
-    """Check RUN_DIR/events.jsonl against the ledger.md rules; see AuditReport for what is reported."""
-    path = Path(run_dir) / LEDGER_FILE
-    report = AuditReport(run_dir=str(run_dir))
+    """Check the run's ledger(s) against the ledger.md rules; see AuditReport for what is reported. Several
+    per-process ledgers are each checked on their own chain, then merged (see the module docstring)."""
+    run_dir = Path(run_dir)
+    per_process = sorted(run_dir.glob("events.process*.jsonl"), key=lambda p: p.name)
+    if (run_dir / LEDGER_FILE).exists() or not per_process:
+        report = AuditReport(run_dir=str(run_dir))
+        positions = _audit_file(run_dir / LEDGER_FILE, report)
+        _check_epochs(positions, report)
+        return report
+    merged = AuditReport(run_dir=str(run_dir))
+    positions: dict[int, tuple[int, int]] = {}
+    frontiers, counts = [], set()
+    for path in per_process:
+        part = AuditReport(run_dir=str(run_dir))
+        positions.update(_audit_file(path, part))
+        frontiers.append(part.frontier_ordinal)
+        counts.add(part.process_count)
+        merged.handed_out += part.handed_out
+        merged.trained += part.trained
+        for reason, n in part.dropped_by_reason.items():
+            merged.dropped_by_reason[reason] = merged.dropped_by_reason.get(reason, 0) + n
+        for field in ("lost", "trained_twice", "trained_and_dropped"):
+            getattr(merged, field).extend(getattr(part, field))
+        merged.unresolved += part.unresolved
+        merged.restarts = max(merged.restarts, part.restarts)
+        merged.chain.append((path.name, part.chain))
+        merged.position_problems += part.position_problems
+        merged.warnings += [f"{path.name}: {w}" for w in part.warnings]
+        merged.errors += [f"{path.name}: {e}" for e in part.errors]
+    expected = [ledger_file(p, len(per_process)) for p in range(len(per_process))]
+    if counts != {len(per_process)} or [p.name for p in per_process] != expected:
+        merged.errors.append(f"per-process ledgers {[p.name for p in per_process]} do not match their process_count "
+                             f"{sorted(counts)}: expected {expected}")
+    merged.process_count = len(per_process)
+    merged.frontier_ordinal = min(frontiers)  # every process accounted for its ordinals below this
+    for field in ("lost", "trained_twice", "trained_and_dropped"):
+        getattr(merged, field).sort()
+    _check_epochs(positions, merged)
+    return merged
+
+
+def _audit_file(path: Path, report: AuditReport) -> dict[int, tuple[int, int]]:
+    """Audit one ledger file into `report`; returns ordinal -> (epoch, dataset_index) for the epoch check."""
     if not path.exists():
         report.errors.append(f"{path} does not exist")
-        return report
+        return {}
     lines, report.warnings, report.errors, _ = read_lines(path)
     if not lines:
         report.errors.append(f"{path} holds no ledger lines")
-        return report
+        return {}
 
     by_run: dict[int, list[dict]] = collections.defaultdict(list)
     for line in lines:
@@ -269,6 +339,10 @@ def audit(run_dir: str | os.PathLike) -> AuditReport:
     report.restarts = len(by_run) - 1
     chain = _surviving_chain(by_run, report)
     in_chain = {(line["run"], line["seq"]) for line in chain}
+    # This file's ordinals: every process_count-th, from its process index (all of them for one process).
+    first = by_run[max(by_run)][0]
+    stride, offset = int(first.get("process_count", 1)), int(first.get("process", 0))
+    report.process_count = stride
 
     # A checkpoint counts when the line it covers survives: then everything it claims is in the chain.
     # Its own line may lie past the covered seq (it is written after the commit), and still count.
@@ -283,6 +357,8 @@ def audit(run_dir: str | os.PathLike) -> AuditReport:
     position: dict[int, tuple[int, int]] = {}
 
     def note_position(ordinal: int, epoch: int, index: int) -> None:
+        if ordinal % stride != offset:
+            report.errors.append(f"ordinal {ordinal} does not belong to process {offset} of {stride}")
         seen = position.setdefault(ordinal, (epoch, index))
         if seen != (epoch, index):
             report.position_problems.append(f"ordinal {ordinal} is (epoch, dataset_index) {seen} and also {(epoch, index)}")
@@ -305,11 +381,11 @@ def audit(run_dir: str | os.PathLike) -> AuditReport:
     report.trained_and_dropped = sorted(o for o in drop_reason if o in train_lines)
     report.dropped_by_reason = dict(collections.Counter(r for o, r in drop_reason.items() if o not in train_lines))
     accounted = set(train_lines) | set(drop_reason)
-    report.handed_out = max(accounted, default=-1) + 1
-    report.lost = [o for o in range(report.frontier_ordinal) if o not in accounted]
-    report.unresolved = sum(1 for o in range(report.frontier_ordinal, report.handed_out) if o not in accounted)
-    _check_epochs(position, report)
-    return report
+    highest = max(accounted, default=offset - stride)
+    report.handed_out = (highest - offset) // stride + 1
+    report.lost = [o for o in range(offset, report.frontier_ordinal, stride) if o not in accounted]
+    report.unresolved = sum(1 for o in range(report.frontier_ordinal, highest + 1) if o % stride == offset and o not in accounted)
+    return position
 
 
 def _check_epochs(position: dict[int, tuple[int, int]], report: AuditReport) -> None:

@@ -180,3 +180,37 @@ def test_unreadable_middle_lines_and_missing_files_are_errors(tmp_path):
         f.write("not json\n")
     report = audit(tmp_path)
     assert not report.ok and "unreadable ledger line" in report.errors[0]
+
+
+def test_per_process_ledgers_write_global_ordinals_and_the_audit_merges_them(tmp_path):
+    # Two processes over a 6-row epoch: process P's k-th prompt is the stream's element 2k + P.
+    ledgers = [Ledger(tmp_path, process_index=p, process_count=2) for p in range(2)]
+    assert [l.path.name for l in ledgers] == ["events.process0.jsonl", "events.process1.jsonl"]
+    order = [4, 0, 5, 2, 1, 3]  # dataset index of stream element 0..5
+    for p, ledger in enumerate(ledgers):
+        local = [0, 1, 2]
+        ledger.train(1, local[:2], dataset_index=[order[2 * k + p] for k in local[:2]], epoch=[0, 0], weight_version=[0, 0])
+        ledger.drop(2, dataset_index=order[4 + p], epoch=0, reason="overlong")
+        ledger.checkpoint(1, 3, ledger.covers())
+        ledger.close()
+    lines = [json.loads(x) for x in (tmp_path / "events.process1.jsonl").read_text().splitlines()]
+    assert lines[0]["process"] == 1 and lines[0]["process_count"] == 2
+    assert lines[1]["ordinals"] == [1, 3] and lines[2]["ordinal"] == 5 and lines[3]["frontier_ordinal"] == 7
+    report = audit(tmp_path)
+    assert report.ok, report.summary()
+    assert (report.handed_out, report.trained, report.dropped_by_reason, report.frontier_ordinal) == (6, 4, {"overlong": 2}, 6)
+    assert "events.process0.jsonl: run 0" in report.summary()
+
+    # Process 1 loses its ordinal 3: its own frontier claims it, no line has it.
+    path = tmp_path / "events.process1.jsonl"
+    kept = [x for x in path.read_text().splitlines() if '"event":"train"' not in x]
+    path.write_text("\n".join(kept) + "\n")
+    report = audit(tmp_path)
+    assert not report.ok and report.lost == [1, 3]
+
+
+def test_a_missing_per_process_ledger_is_an_error(tmp_path):
+    for p in (0, 2):
+        Ledger(tmp_path, process_index=p, process_count=3).close()
+    report = audit(tmp_path)
+    assert not report.ok and any("do not match their process_count" in e for e in report.errors)

@@ -1,0 +1,131 @@
+"""Several JAX processes (one per host, as on a TPU pod): start-up, and the host-level agreements the
+trainer needs each step.
+
+Start-up (`initialize`), before anything asks JAX for its devices:
+  - explicit: `distributed.coordinator_address` (or env GRPO_JAX_COORDINATOR_ADDRESS) with
+    `num_processes` and `process_id` (or GRPO_JAX_NUM_PROCESSES / GRPO_JAX_PROCESS_ID);
+  - auto: `distributed.auto: true` (or a TPU pod slice, detected from TPU_WORKER_HOSTNAMES naming more
+    than one host) calls jax.distributed.initialize() with JAX's own cluster detection;
+  - otherwise one process, and nothing happens.
+On CPU, several processes need a collectives backend (gloo) for computations that span them.
+
+`heartbeat_timeout_s` bounds how long the survivors of a killed process wait: JAX's coordination
+service then aborts them instead of leaving them hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str = ""  # host:port of process 0; "" = from the environment, or one process
+    num_processes: int = 0  # 0 = from GRPO_JAX_NUM_PROCESSES (explicit start-up only)
+    process_id: int = -1  # -1 = from GRPO_JAX_PROCESS_ID (explicit start-up only)
+    auto: bool = False  # let JAX detect the cluster (TPU pod, SLURM, ...)
+    heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others abort
+    initialization_timeout_s: int = 300
+    cpu_collectives: str = "gloo"  # CPU backend only
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.heartbeat_timeout_s < 1 or self.initialization_timeout_s < 1:
+            problems.append("heartbeat_timeout_s and initialization_timeout_s must be >= 1")
+        if self.cpu_collectives not in ("gloo", "mpi"):
+            problems.append(f"cpu_collectives={self.cpu_collectives!r}: allowed gloo, mpi")
+        return problems
+
+
+def _env_int(name: str, fallback: int) -> int:
+    value = os.environ.get(name, "")
+    if not value:
+        return fallback
+    try:
+        return int(value)
+    except ValueError:
+        from grpo_jax.config_io import ConfigError
+        raise ConfigError(f"environment variable {name}={value!r}: must be an integer") from None
+
+
+def _on_tpu_pod() -> bool:
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    return len(hosts) > 1
+
+
+def initialize(config: DistributedConfig) -> bool:
+    """Start jax.distributed when the config or environment says this is one of several processes.
+    Returns True when it did. Must run before the first call that lists devices."""
+    from grpo_jax.config_io import ConfigError
+
+    address = config.coordinator_address or os.environ.get("GRPO_JAX_COORDINATOR_ADDRESS", "")
+    common = {"initialization_timeout": config.initialization_timeout_s,
+              "heartbeat_timeout_seconds": config.heartbeat_timeout_s}
+    if address:
+        count = config.num_processes or _env_int("GRPO_JAX_NUM_PROCESSES", 0)
+        index = config.process_id if config.process_id >= 0 else _env_int("GRPO_JAX_PROCESS_ID", -1)
+        if count < 1 or not 0 <= index < count:
+            raise ConfigError(f"distributed: coordinator {address!r} needs num_processes >= 1 and 0 <= process_id < "
+                              f"num_processes (got num_processes={count}, process_id={index}); set them in the "
+                              "config or in GRPO_JAX_NUM_PROCESSES / GRPO_JAX_PROCESS_ID")
+        if count == 1:
+            return False
+        _cpu_collectives(config)
+        jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index, **common)
+    elif config.auto or _on_tpu_pod():
+        _cpu_collectives(config)
+        jax.distributed.initialize(**common)
+    else:
+        return False
+    logger.info("JAX process %d of %d: %d local device(s), %d in all", jax.process_index(), jax.process_count(),
+                jax.local_device_count(), jax.device_count())
+    return True
+
+
+def _cpu_collectives(config: DistributedConfig) -> None:
+    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+
+
+def by_process(devices) -> np.ndarray:
+    """Devices as a [num_processes, per_process] array (process order, then device id). Refuses a set in
+    which processes hold different numbers of devices: the layouts here cut every host the same way."""
+    rows: dict[int, list] = {}
+    for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        rows.setdefault(d.process_index, []).append(d)
+    sizes = {len(r) for r in rows.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"devices are spread unevenly over processes: {{process: count}} = "
+                         f"{ {p: len(r) for p, r in rows.items()} }")
+    return np.array([rows[p] for p in sorted(rows)])
+
+
+class HostAgreement:
+    """Gathers a small int64 vector from every process, over the learner's devices (so it never queues
+    behind the actor's sampling on the actor's devices). One process: no JAX at all."""
+
+    def __init__(self, learner_devices):
+        self.processes = jax.process_count()
+        if self.processes == 1:
+            return
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        grid = by_process(learner_devices)
+        mesh = Mesh(grid, ("process", "local"))
+        self._sharding = NamedSharding(mesh, PartitionSpec("process"))
+        self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def gather(self, values) -> np.ndarray:
+        """[num_processes, len(values)]: row p is process p's values."""
+        local = np.asarray(values, np.int64)[None]
+        if self.processes == 1:
+            return local
+        x = jax.make_array_from_process_local_data(self._sharding, local)
+        return np.asarray(self._gather(x).addressable_shards[0].data)
