@@ -121,6 +121,7 @@ class Checkpoints:
         self._lock = threading.Lock()
         self._writer: threading.Thread | None = None  # the background save in flight, if any
         self._committed: list[int] = []  # committed, not yet reported by poll()
+        self._uncommitted: list[int] = []  # several processes: saved by Orbax's own async, not yet committed
         self._error: BaseException | None = None  # a background save's failure, raised by the next call
         self._last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
@@ -151,12 +152,19 @@ class Checkpoints:
         donates its buffers to the next step, so the save needs its own copy) and, if the previous save
         is still being written, until it is done. The Orbax save (host copy, files, commit) runs in a
         background thread. Otherwise the save is written before this returns.
+
+        Several processes: the Orbax save is started from the caller's thread (Orbax's own async mode
+        still writes in the background). Its collectives must be issued in the same order on every
+        process, which a second thread racing the learner's collectives would not guarantee.
         """
         start = time.perf_counter()
         self._raise_background_error()
         meta = {**meta, "format": FORMAT, "step": int(step), "saved_at": datetime.datetime.now().isoformat(),
                 "layout": tree_layout(state)}
-        if self.config.async_save:
+        if self.config.async_save and jax.process_count() > 1:
+            self._manager.save(step, args=self._args(state, buffer_arrays, collector, meta), force=True)
+            self._uncommitted.append(step)
+        elif self.config.async_save:
             state = _device_copy(state)
             if self._writer is not None:
                 self._writer.join()  # one save in flight at a time, as Orbax itself does
@@ -171,14 +179,15 @@ class Checkpoints:
         self._last_save_time = time.monotonic()
         self.last_saved_step = step
 
+    @staticmethod
+    def _args(state: Any, buffer_arrays: dict, collector: dict, meta: dict) -> ocp.args.Composite:
+        # Saved with force=True: the trainer decides when (due()), not Orbax's own interval rule.
+        return ocp.args.Composite(state=ocp.args.StandardSave(state), buffer=ocp.args.StandardSave(buffer_arrays),
+                                  collector=ocp.args.JsonSave(collector), meta=ocp.args.JsonSave(meta))
+
     def _write(self, step: int, state: Any, buffer_arrays: dict, collector: dict, meta: dict) -> None:
         try:
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                buffer=ocp.args.StandardSave(buffer_arrays),
-                collector=ocp.args.JsonSave(collector),
-                meta=ocp.args.JsonSave(meta),
-            ), force=True)  # the trainer decides when (due()); Orbax's own interval rule is not used
+            self._manager.save(step, args=self._args(state, buffer_arrays, collector, meta), force=True)
             self._manager.wait_until_finished()
             if step not in self._manager.all_steps():
                 raise CheckpointError(f"checkpoint step {step} was written but is not listed in {self.directory}")
@@ -199,6 +208,12 @@ class Checkpoints:
         """Steps whose save has committed since the last call (oldest first). Never blocks; a failed
         background save raises here."""
         self._raise_background_error()
+        if self._uncommitted and not self._manager.is_saving_in_progress():
+            self._manager.check_for_errors()
+            on_disk = set(self._manager.all_steps())
+            with self._lock:
+                self._committed += [s for s in self._uncommitted if s in on_disk]
+            self._uncommitted = [s for s in self._uncommitted if s not in on_disk]
         with self._lock:
             done, self._committed = self._committed, []
         return done
@@ -207,6 +222,8 @@ class Checkpoints:
         """Block until every save started has committed; returns those steps (see poll())."""
         if self._writer is not None:
             self._writer.join()
+        if self._uncommitted:
+            self._manager.wait_until_finished()
         return self.poll()
 
     def close(self) -> None:
@@ -219,9 +236,10 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def load_latest(self, abstract_state: Any, check: Callable[[dict, dict], None]) -> Restored | None:
+    def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict, dict], None]) -> Restored | None:
         """The newest step that reads back completely, or None when there is none.
 
+        abstract_state(meta) gives the restore target (shapes, dtypes, shardings) for that step's arrays.
         check(meta, collector) raises CheckpointError when the run cannot resume from it (another
         dataset, another model...): that is the user's decision, so it propagates. A step that cannot be
         read (truncated or missing files, bad JSON) is moved to RUN_DIR/checkpoints.corrupt/ with a
@@ -238,14 +256,15 @@ class Checkpoints:
                 self._set_aside(step, e)
                 continue
             check(meta, collector)
-            difference = layout_difference(meta.get("layout", {}), tree_layout(abstract_state))
+            target = abstract_state(meta)
+            difference = layout_difference(meta.get("layout", {}), tree_layout(target))
             if difference:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} does not fit this model or "
                                       f"optimizer: {difference}. Resume with the config the run was started with, "
                                       "or start a new run directory.")
             try:
                 arrays = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), buffer=ocp.args.StandardRestore()))
+                    state=ocp.args.StandardRestore(target), buffer=ocp.args.StandardRestore()))
             except Exception as e:  # noqa: BLE001
                 self._set_aside(step, e)
                 continue
@@ -255,8 +274,12 @@ class Checkpoints:
 
     def _set_aside(self, step: int, error: BaseException) -> None:
         target = self.run_dir / CORRUPT_DIR / f"{step}-{int(time.time())}"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_index() == 0:  # one mover; every process then sees the same steps
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"grpo_jax set aside checkpoint {step}")
         self._manager.reload()
         logger.warning("checkpoint step %d cannot be read (%s: %s); moved it to %s and trying the step before it",
                        step, type(error).__name__, str(error)[:300], target)

@@ -150,6 +150,8 @@ def cmd_train(args) -> int:
     config = load_config(Config, args.config, args.overrides)
     run_dir = args.run_dir or config.run_dir
     show_trainer_log()
+    from grpo_jax.distributed import initialize
+    initialize(config.distributed)  # several processes (a TPU pod, or the multi-process tests)
     try:
         trainer = Trainer(config, run_dir)
         history = trainer.train()
@@ -180,8 +182,10 @@ def cmd_plot(args) -> None:
 def cmd_audit(args) -> int:
     from grpo_jax.ledger import audit
 
-    if not (pathlib.Path(args.run_dir) / "events.jsonl").is_file():
-        raise UsageError(f"{args.run_dir}/events.jsonl does not exist: is it a grpo_jax run directory?")
+    run_dir = pathlib.Path(args.run_dir)
+    if not (run_dir / "events.jsonl").is_file() and not list(run_dir.glob("events.process*.jsonl")):
+        raise UsageError(f"{args.run_dir} holds no ledger (events.jsonl, or events.process*.jsonl from several "
+                         "processes): is it a grpo_jax run directory?")
     report = audit(args.run_dir)
     print(report.summary())
     return 0 if report.ok else 1

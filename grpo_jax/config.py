@@ -6,6 +6,7 @@ import dataclasses
 
 from grpo_jax.checkpoint import CheckpointConfig
 from grpo_jax.data import DataConfig
+from grpo_jax.distributed import DistributedConfig
 from grpo_jax.learner import OptimConfig
 from grpo_jax.losses import LossConfig
 from grpo_jax.model import ModelConfig
@@ -56,6 +57,9 @@ class TrainerConfig:
     progress: bool = True
     tensorboard: bool = True
     save_final_model: bool = True  # RUN_DIR/final_model in Hugging Face layout when the run ends
+    # Several processes: after every step, hash each host's copy of the weights and stop if they differ
+    # (costs a host copy and hash of the parameters per step; for tests and first runs on a new cluster).
+    check_replicas: bool = False
 
     def validate(self) -> list[str]:
         problems = []
@@ -92,6 +96,7 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshLayout = dataclasses.field(default_factory=MeshLayout)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     seed: int = 0
     run_dir: str = "runs/default"
 

@@ -117,9 +117,8 @@ class HostAgreement:
             return
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        grid = by_process(learner_devices)
-        mesh = Mesh(grid, ("process", "local"))
-        self._sharding = NamedSharding(mesh, PartitionSpec("process"))
+        mesh = Mesh(by_process(learner_devices), ("process", "local"))
+        self.row_sharding = NamedSharding(mesh, PartitionSpec("process"))  # row p lives on process p
         self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def gather(self, values) -> np.ndarray:
@@ -127,5 +126,13 @@ class HostAgreement:
         local = np.asarray(values, np.int64)[None]
         if self.processes == 1:
             return local
-        x = jax.make_array_from_process_local_data(self._sharding, local)
-        return np.asarray(self._gather(x).addressable_shards[0].data)
+        x = jax.make_array_from_process_local_data(self.row_sharding, local)
+        return np.asarray(self._gather(x).addressable_data(0))
+
+    def rows(self, data: np.ndarray) -> jax.Array:
+        """A global [num_processes, len] uint8 array whose row p is process p's `data` (padded with zeros
+        to the longest): how each process's own state goes into one Orbax checkpoint."""
+        longest = int(self.gather([len(data)]).max())
+        row = np.zeros((1, longest), np.uint8)
+        row[0, :len(data)] = data
+        return jax.make_array_from_process_local_data(self.row_sharding, row)

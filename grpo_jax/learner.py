@@ -240,7 +240,8 @@ class Learner:
         """One update; returns host metrics. Stops after optim.max_nonfinite_in_row skipped updates."""
         self.check_batch(batch)
         self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, batch, self.ref_params)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # Replicated scalars: read this process's copy (device_get would refuse an array spanning hosts).
+        metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
         if metrics.pop("finite") < 0.5:
             self.nonfinite_in_row += 1
             self.nonfinite_total += 1

@@ -14,6 +14,7 @@ import math
 from typing import Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -63,8 +64,19 @@ class MeshConfig:
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     shape = config.resolve(len(devices))
+    processes = {d.process_index for d in devices}
     # Auto axes: the sharding of activations is left to the compiler's propagation.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    if len(processes) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    # Across hosts: process-major order, so data and fsdp split over hosts and the batch rows a process
+    # feeds land on its own devices; the tensor axis must stay inside one host (its collectives are the
+    # chattiest, and cross-host tensor parallelism is not a layout this trainer supports).
+    per_process = len(devices) // len(processes)
+    if shape[2] > per_process or per_process % shape[2]:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} over {len(processes)} processes with {per_process} "
+                         f"device(s) each: the tensor axis ({shape[2]}) must divide one process's devices")
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(ordered).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict[str, str | None]) -> PartitionSpec:
@@ -97,6 +109,10 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = 
     """Place every parameter of `module` on `mesh` according to its logical axes (in place)."""
     state = nnx.state(module)
     shardings = state_shardings(state, mesh, rules)
+    if jax.process_count() > 1:
+        # A host-local array cannot be resharded onto other processes' devices; every process built the
+        # same values (same seed or checkpoint), so each places its own slices from a host copy.
+        state = jax.tree.map(np.asarray, state)
     nnx.update(module, jax.device_put(state, shardings))
     return module
 

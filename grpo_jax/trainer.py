@@ -24,6 +24,9 @@ save, and exit with EXIT_PREEMPTED; a second signal exits at once.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import logging
 import os
 import pathlib
@@ -43,15 +46,16 @@ from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
 from grpo_jax.config_io import save_config
 from grpo_jax.data import DataError, make_data_iterator
+from grpo_jax.distributed import HostAgreement, by_process
 from grpo_jax.errors import CheckpointError
 from grpo_jax.learner import Learner, pack_batch
-from grpo_jax.ledger import LEDGER_FILE, Ledger
+from grpo_jax.ledger import Ledger, ledger_file
 from grpo_jax.metrics import MetricsWriter
 from grpo_jax.model import Transformer, create_model
 from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.sampler import Sampler
-from grpo_jax.sharding import make_mesh, shard_module, state_shardings
+from grpo_jax.sharding import batch_sharding, make_mesh, shard_module, state_shardings
 from grpo_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger("grpo_jax.trainer")
@@ -90,16 +94,21 @@ def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
 
 
 def split_devices(config: Config) -> tuple[list, list]:
-    """(actor devices, learner devices): disjoint slices, or the same devices when actor_devices is 0."""
-    devices = jax.devices()
+    """(actor devices, learner devices): disjoint slices, or the same devices when actor_devices is 0.
+
+    Several processes (hosts): every host is cut the same way. The actor gets the first actor_devices of
+    each host's own devices and samples there on its own (one sampler per host, no cross-host traffic);
+    the learner gets the rest of every host's devices, as one mesh spanning all hosts."""
+    local = jax.local_devices()
     n = config.mesh.actor_devices
-    if n == 0:
-        return devices, devices
-    if n >= len(devices):
+    if n >= len(local):
         from grpo_jax.config_io import ConfigError
-        raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(devices)} devices; "
-                          "use 0 to share all devices between actor and learner)")
-    return devices[:n], devices[n:]
+        raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(local)} devices"
+                          f"{' per process' if jax.process_count() > 1 else ''}; use 0 to share all devices "
+                          "between actor and learner)")
+    if n == 0:
+        return local, jax.devices()
+    return local[:n], [d for host in by_process(jax.devices()) for d in host[n:]]
 
 
 def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Array:
@@ -108,10 +117,44 @@ def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Arra
     return jax.random.fold_in(jax.random.fold_in(base_key, ordinal), regenerations)
 
 
-def weights_copy(state, shardings):
+def weights_copy(state, shardings, replicate=None):
     """The learner's weights placed on the actor's layout, as a separate copy: the learner donates its
-    buffers to the next step, so the actor must never hold the same ones."""
-    return jax.device_put(state, shardings, may_alias=False)
+    buffers to the next step, so the actor must never hold the same ones.
+
+    Several processes: `replicate` (jitted on the learner mesh) first gathers the full weights onto every
+    learner device, then each host copies its local replica onto its own actor devices. (JAX cannot
+    reshard between two device sets across processes; the gather needs one full copy of the parameters
+    per learner device for a moment.)"""
+    if replicate is None:
+        return jax.device_put(state, shardings, may_alias=False)
+    local_copy = jax.tree.map(lambda x: x.addressable_data(0), replicate(state))
+    return jax.device_put(local_copy, shardings, may_alias=False)
+
+
+def replica_digest(state) -> int:
+    """A 63-bit hash of this host's whole copy of the weights, to compare across processes."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(state):
+        h.update(np.asarray(leaf).tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def pack_process_state(own: dict, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """One process's collector + buffer state as bytes (an .npz: JSON bytes plus plain arrays; loading it
+    with allow_pickle=False never runs code)."""
+    out = io.BytesIO()
+    np.savez(out, __json__=np.frombuffer(json.dumps(own).encode("utf-8"), np.uint8), **arrays)
+    return np.frombuffer(out.getvalue(), np.uint8)
+
+
+def unpack_process_state(data: np.ndarray) -> tuple[dict, dict[str, np.ndarray]]:
+    try:
+        with np.load(io.BytesIO(data.tobytes()), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        own = json.loads(arrays.pop("__json__").tobytes().decode("utf-8"))
+    except (ValueError, OSError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"this process's saved collector/buffer state is unreadable: {e}") from e
+    return own, arrays
 
 
 # ------------------------------------------------------------------------------------------ actor
@@ -222,7 +265,9 @@ class Actor:
         cfg = self.config.grpo
         g = cfg.group_size
         version = self._version
-        keys = jnp.stack([jax.random.split(group_key(self.base_key, p.ordinal, p.record.get("regenerations", 0)), g)
+        # Keys from the global ordinal (with several processes the collector counts this process's own).
+        n, index = jax.process_count(), jax.process_index()
+        keys = jnp.stack([jax.random.split(group_key(self.base_key, p.ordinal * n + index, p.record.get("regenerations", 0)), g)
                           for p in good]).reshape(-1)
         prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
         start = time.perf_counter()
@@ -328,8 +373,24 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, self.run_dir / "config.yaml")
         self.tokenizer = load_tokenizer(config)
+        self.processes, self.process_index = jax.process_count(), jax.process_index()
+        if config.grpo.prompts_per_step % self.processes:
+            from grpo_jax.config_io import ConfigError
+            raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
+                              f"{self.processes} JAX processes (each trains its share of every step)")
+        self.local_prompts = config.grpo.prompts_per_step // self.processes  # this process's groups per step
         actor_devices, learner_devices = split_devices(config)
         self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
+        if self.processes > 1:
+            # Each process feeds its own rows of the batch, which is split over data x fsdp in process order.
+            splits = self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"]
+            rows = self.local_prompts * config.grpo.group_size
+            if splits % self.processes or rows % (splits // self.processes):
+                from grpo_jax.config_io import ConfigError
+                raise ConfigError(
+                    f"mesh.learner: the batch is split {splits} ways (data x fsdp) over {self.processes} processes; "
+                    f"each process's {rows} rows (prompts_per_step / processes x group_size) must split evenly "
+                    "over its share of those devices")
         self.actor_mesh = make_mesh(config.mesh.actor, actor_devices)
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
@@ -337,6 +398,12 @@ class Trainer:
         if config.loss.needs_reference:
             reference = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         self.learner = Learner(policy, config.optim, config.loss, reference_model=reference)
+        self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
+        self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
+        self.agreement = HostAgreement(learner_devices)
+        self._replicate = None
+        if self.processes > 1:
+            self._replicate = jax.jit(lambda tree: tree, out_shardings=self.replicated)
         self.base_key = jax.random.key(config.seed)
         self.version = 0
 
@@ -344,10 +411,10 @@ class Trainer:
         self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=jax.process_index(),
                                            shard_count=jax.process_count())
         grpo = config.grpo
-        self.buffer_capacity = config.trainer.buffer_capacity or grpo.prompts_per_step * (grpo.max_staleness + 2)
+        self.buffer_capacity = config.trainer.buffer_capacity or self.local_prompts * (grpo.max_staleness + 2)
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
         self.resumed_from: int | None = None
-        restored = self.checkpoints.load_latest(self._abstract_state(), self._check_resumable)
+        restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable)
         self.preempted = False
         self.already_done = restored is not None and restored.step >= config.trainer.max_steps
         if self.already_done:
@@ -361,7 +428,8 @@ class Trainer:
             self._resume(restored)
 
         self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
-        actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings))
+        actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings,
+                                                                    self._replicate))
         self.sampler = Sampler(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
                                config=config.sampler)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
@@ -378,36 +446,51 @@ class Trainer:
 
     def _new_buffer(self, learner_version: int) -> ReplayBuffer:
         grpo = self.config.grpo
-        return ReplayBuffer(self.buffer_capacity, grpo.max_staleness, grpo.prompts_per_step,
+        return ReplayBuffer(self.buffer_capacity, grpo.max_staleness, self.local_prompts,
                             learner_version=learner_version)
 
     def _new_collector(self, ledger: Ledger) -> Collector:
-        return Collector(self.iterator, handout_size=self.config.grpo.prompts_per_step,
+        return Collector(self.iterator, handout_size=self.local_prompts,
                          snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=ledger)
 
+    def _new_ledger(self, resumed_from: dict | None = None) -> Ledger:
+        return Ledger(self.run_dir, resumed_from=resumed_from, process_index=self.process_index,
+                      process_count=self.processes)
+
+    def _committed(self, x):
+        """A single-device leaf (optax's step count is made uncommitted, on one device) replicated on the
+        learner mesh, so that it never clashes with the sharded parameters, across processes too."""
+        if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            return jax.device_put(np.asarray(x), self.replicated)
+        return x
+
     def _start_fresh(self) -> None:
-        if (self.run_dir / LEDGER_FILE).exists():
+        if (self.run_dir / ledger_file(self.process_index, self.processes)).exists():
             logger.warning("%s has a ledger but no usable checkpoint: starting from scratch; the ledger starts a "
                            "new chain and the audit counts only this start", self.run_dir)
-        self.ledger = Ledger(self.run_dir)
+        self.ledger = self._new_ledger()
         self.buffer = self._new_buffer(0)
         self.collector = self._new_collector(self.ledger)
 
     def _saved_state(self) -> dict:
         return {"params": self.learner.params, "opt_state": self.learner.opt_state,
-                "rng": jax.random.key_data(self.base_key)}
+                "rng": np.asarray(jax.random.key_data(self.base_key))}  # host copy: the same on every process
 
-    def _abstract_state(self) -> Any:
-        """Where restored arrays go: like the live ones, except that single-device leaves (the optimizer's
-        step count, made uncommitted by optax) become replicated on the learner mesh; restored onto one
-        device they would be committed there and clash with the sharded parameters in the step."""
-        replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
-
+    def _abstract_state(self, meta: dict) -> Any:
+        """Where restored arrays go: like the live ones, except that host and single-device leaves (the base
+        key) become replicated on the learner mesh, so every process can read them."""
         def abstract(x):
-            sharding = replicated if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) else x.sharding
+            sharding = getattr(x, "sharding", None)
+            if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
+                sharding = self.replicated
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-        return jax.tree.map(abstract, self._saved_state())
+        state = jax.tree.map(abstract, self._saved_state())
+        if "process_state_bytes" in meta:
+            longest = max(meta["process_state_bytes"])
+            state["processes"] = jax.ShapeDtypeStruct((len(meta["process_state_bytes"]), longest), np.uint8,
+                                                      sharding=self.agreement.row_sharding)
+        return state
 
     def _resume_facts(self) -> dict:
         """What a checkpoint records and a resume must match (besides the tensor layout)."""
@@ -446,7 +529,11 @@ class Trainer:
         state = restored.state
         self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
         # Placed like a fresh key (default device): keys derived from it go to the actor's jit.
-        self.base_key = jax.random.wrap_key_data(np.asarray(jax.device_get(state["rng"])))
+        self.base_key = jax.random.wrap_key_data(np.asarray(state["rng"].addressable_data(0)))
+        if "processes" in state:  # several processes: this process's collector and buffer are its row
+            length = meta["process_state_bytes"][self.process_index]
+            restored.collector, restored.buffer_arrays = unpack_process_state(
+                np.asarray(state["processes"].addressable_data(0))[0, :length])
         self.learner.steps_done = int(meta["learner"]["steps_done"])
         self.learner.nonfinite_total = int(meta["learner"]["nonfinite_total"])
         self.version = step
@@ -456,24 +543,24 @@ class Trainer:
             logger.warning("resuming weights and optimizer from step %d with another dataset/tokenizer/prompt "
                            "format (checkpoint.allow_data_change): the data stream starts at ordinal 0 and the "
                            "ledger starts a new chain", step)
-            self.ledger = Ledger(self.run_dir)
+            self.ledger = self._new_ledger()
             self.buffer = self._new_buffer(step)
             self.collector = self._new_collector(self.ledger)
             return
         if "frontier_ordinal" not in saved_collector:
             self._resume_without_ordinals(step, saved_collector)
             return
-        self.ledger = Ledger(self.run_dir, resumed_from={"step": step, **saved_collector["ledger_covers"]})
+        self.ledger = self._new_ledger(resumed_from={"step": step, **saved_collector["ledger_covers"]})
         if self.config.checkpoint.load_replay_buffer:
             grpo = self.config.grpo
             self.buffer = ReplayBuffer.from_state(
-                restored.collector["buffer"], self.buffer_capacity, grpo.max_staleness, grpo.prompts_per_step,
+                restored.collector["buffer"], self.buffer_capacity, grpo.max_staleness, self.local_prompts,
                 pool=ArrayPool(restored.buffer_arrays), learner_version=step)
         else:
             self.buffer = self._new_buffer(step)
         try:
             self.collector = Collector.restore(
-                self.iterator, saved_collector, self.buffer.ordinals(), handout_size=self.config.grpo.prompts_per_step,
+                self.iterator, saved_collector, self.buffer.ordinals(), handout_size=self.local_prompts,
                 snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=self.ledger)
         except DataError as e:
             raise CheckpointError(f"checkpoint step {step}: {e}") from e
@@ -496,7 +583,7 @@ class Trainer:
         except (KeyError, TypeError, DataError) as e:
             raise CheckpointError(f"checkpoint step {step}: unusable iterator state in an older-format "
                                   f"collector record ({e})") from e
-        self.ledger = Ledger(self.run_dir)
+        self.ledger = self._new_ledger()
         self.buffer = self._new_buffer(step)
         self.collector = self._new_collector(self.ledger)
 
@@ -511,8 +598,16 @@ class Trainer:
         meta = {"facts": self._resume_facts(), "weight_version": self.version,
                 "learner": {"steps_done": self.learner.steps_done, "nonfinite_total": self.learner.nonfinite_total},
                 "frontier_ordinal": collector_state["frontier_ordinal"]}
-        self.checkpoints.save(self.version, self._saved_state(), pool.arrays(),
-                              {"collector": collector_state, "buffer": buffer_state}, meta)
+        own = {"collector": collector_state, "buffer": buffer_state}
+        state, arrays = self._saved_state(), pool.arrays()
+        if self.processes > 1:
+            # Orbax writes JSON from the primary process only: each process's collector and buffer go
+            # into row p of one global array instead (an .npz of JSON bytes and the buffer's arrays).
+            blob = pack_process_state(own, arrays)
+            state["processes"] = self.agreement.rows(blob)
+            meta["process_state_bytes"] = [int(n) for n in self.agreement.gather([len(blob)])[:, 0]]
+            own, arrays = {"per_process": True}, ArrayPool().arrays()
+        self.checkpoints.save(self.version, state, arrays, own, meta)
         self._frontier_of_save[self.version] = (collector_state["frontier_ordinal"], collector_state["ledger_covers"])
 
     def _record_commits(self, steps: list[int]) -> None:
@@ -529,11 +624,11 @@ class Trainer:
         timeout = self.config.trainer.group_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            if self.stop_signals.received is not None:
-                return None
+            if self.stop_signals.received is not None and self.processes == 1:
+                return None  # several processes agree on stopping at the step's end instead (_train_loop)
             try:
                 # Short waits, so a stop signal is seen within half a second.
-                taken = self.buffer.take(self.config.grpo.prompts_per_step, self.version,
+                taken = self.buffer.take(self.local_prompts, self.version,
                                          timeout=max(min(deadline - time.monotonic(), 0.5), 0.01))
             except ReplayBufferClosed as e:
                 raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
@@ -543,26 +638,33 @@ class Trainer:
                     continue
                 counts = self.collector.counts()
                 raise TrainerError(
-                    f"no full step of {self.config.grpo.prompts_per_step} groups arrived within "
+                    f"no full step of {self.local_prompts} groups arrived within "
                     f"trainer.group_timeout_s={timeout}s for step {step} (buffer holds {len(self.buffer.ordinals())}, "
                     f"actor alive: {self.actor.is_alive()}, unfinished prompts: {counts['unfinished']}, "
                     f"trained: {counts['trained']}, dropped: {counts['dropped']})") from None
             for group in taken.too_stale:
                 record = dict(group.prompt, regenerations=group.regenerations + 1)
                 self.collector.requeue(Prompt(group.ordinal, record))
-            if taken.groups and (len(taken.groups) == self.config.grpo.prompts_per_step or taken.drained):
+            if taken.groups and (len(taken.groups) == self.local_prompts or taken.drained):
                 return taken.groups
             if taken.drained:
                 return []
 
     def _sync_weights(self) -> dict:
         start = time.perf_counter()
-        state = weights_copy(self.learner.params, self.actor_shardings)
+        state = weights_copy(self.learner.params, self.actor_shardings, self._replicate)
         jax.block_until_ready(state)
         seconds = time.perf_counter() - start
         self.actor.push_weights(state, self.version)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-        return {"sync/seconds": seconds, "sync/bytes": nbytes}
+        metrics = {"sync/seconds": seconds, "sync/bytes": nbytes}
+        if self.processes > 1 and self.config.trainer.check_replicas:
+            digests = self.agreement.gather([replica_digest(state)])[:, 0].tolist()
+            metrics["replica_digests"] = digests
+            if len(set(digests)) > 1:
+                raise TrainerError(f"after step {self.version} the processes hold different parameters "
+                                   f"(digests {digests})")
+        return metrics
 
     def train(self) -> list[dict]:
         """Train to trainer.max_steps (or the end of the data). After a stop signal: save, set
@@ -572,8 +674,10 @@ class Trainer:
             logger.warning("checkpoint step %d in %s already reaches trainer.max_steps=%d: nothing to train "
                            "(raise trainer.max_steps to go on)", self.version, self.run_dir, cfg.trainer.max_steps)
             return []
-        writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
-                               progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard)
+        writer = None
+        if self.process_index == 0:  # one metrics file per run (it reports process 0's groups)
+            writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
+                                   progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard)
         history = []
         completed = False
         with self.stop_signals:
@@ -592,7 +696,8 @@ class Trainer:
                 self._record_commits(self.checkpoints.wait())
                 if completed:
                     self._account_leftovers()
-                writer.close()
+                if writer is not None:
+                    writer.close()
                 self.ledger.close()
                 self.checkpoints.close()
         if self.preempted:
@@ -600,10 +705,12 @@ class Trainer:
                            "to resume", signal.Signals(self.stop_signals.received).name, self.version, self.version)
         if self.actor.error is not None and not history:
             raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
-        if completed and history and cfg.trainer.save_final_model:
+        if completed and history and cfg.trainer.save_final_model and self.process_index == 0:
             # Hugging Face layout, so `grpo-jax generate --model RUN_DIR/final_model` and transformers load it.
+            # From the actor's copy: it holds the final weights whole on this host, even across processes.
             from grpo_jax.hf import save_hf_model
-            save_hf_model(self.learner.model(), self.run_dir / "final_model", tokenizer=self.tokenizer)
+            save_hf_model(nnx.merge(self.learner.graphdef, self.sampler.state), self.run_dir / "final_model",
+                          tokenizer=self.tokenizer)
         return history
 
     def _train_loop(self, writer: MetricsWriter) -> list[dict]:
@@ -616,14 +723,20 @@ class Trainer:
             groups = self._take_step_groups(step)
             if groups is None:
                 break  # stop signal while waiting: abandon this step
-            if not groups:
+            # Several processes: train while any still has groups (the others pad with empty rows).
+            if not self.agreement.gather([len(groups)]).any():
                 logger.info("data exhausted after %d steps", step)
                 break
             wait_seconds = time.perf_counter() - wait_start
             metrics = self._learn(groups, step)
             self._record_commits(self.checkpoints.poll())
             save_seconds = 0.0
-            if self.checkpoints.due(self.version) and self.stop_signals.received is None:
+            # Every process must take the same decisions (a save is collective): agree on any's wish.
+            stop, due = self.agreement.gather([self.stop_signals.received is not None,
+                                               self.checkpoints.due(self.version)]).any(axis=0)
+            if stop and self.stop_signals.received is None:
+                self.stop_signals.stop()  # another process was signalled: stop here with it
+            if due and not stop:
                 save_start = time.perf_counter()
                 self.save_checkpoint()
                 save_seconds = time.perf_counter() - save_start
@@ -632,7 +745,8 @@ class Trainer:
                             "time/elapsed_s": now - start_time, "time/checkpoint_s": save_seconds})
             metrics["tokens_per_s"] = metrics.pop("_tokens") / max(now - last, 1e-9)
             last = now
-            writer.write(metrics)
+            if writer is not None:
+                writer.write(metrics)
             history.append(metrics)
             if self.stop_signals.received is not None:
                 break
@@ -641,15 +755,18 @@ class Trainer:
     def _learn(self, groups: list[Group], step: int) -> dict:
         g = self.config.grpo.group_size
         prompts, completions, logprobs, advantages = group_rows(groups, g)
-        full = self.config.grpo.prompts_per_step * g
+        full = self.local_prompts * g
         if len(prompts) < full:  # the last step of a finite dataset: pad with rows that train nothing
             missing = full - len(prompts)
-            prompts += [prompts[0]] * missing
+            prompts += [prompts[0] if prompts else [self.tokenizer.pad_id]] * missing
             completions += [[]] * missing
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
                            self.prompt_bucket, self.completion_bucket)
+        if self.processes > 1:  # this process's rows of the global batch
+            sharding = batch_sharding(self.learner_mesh)
+            batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
         learn_start = time.perf_counter()
         metrics = self.learner.step(batch)
         learn_seconds = time.perf_counter() - learn_start
@@ -658,9 +775,12 @@ class Trainer:
         versions = [grp.weight_version for grp in groups]
         self.collector.mark_trained(ordinals, step=self.version, weight_versions=versions)
         metrics.update(self._sync_weights())
-        staleness = [step - v for v in versions]
-        rewards = np.concatenate([grp.rewards[grp.extras["valid"]] for grp in groups])
-        lengths = np.array([len(c) for grp in groups for c in grp.completions])
+        staleness = [step - v for v in versions] or [0]
+        if groups:
+            rewards = np.concatenate([grp.rewards[grp.extras["valid"]] for grp in groups])
+            lengths = np.array([len(c) for grp in groups for c in grp.completions])
+        else:  # several processes, the end of the data: this one only padded
+            rewards, lengths = np.array([np.nan]), np.array([0])
         kl = metrics.get("kl/mean", metrics.get("tis/mismatch_kl", 0.0))
         counts = self.collector.counts()
         metrics.update({

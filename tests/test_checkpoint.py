@@ -207,7 +207,7 @@ def test_keeps_the_last_n_plus_every_kth_and_reports_commits_in_order(tmp_path):
     reopened = Checkpoints(tmp_path, CheckpointConfig())
     assert reopened.steps() == [4, 8, 9]
     abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32), "count": jax.ShapeDtypeStruct((), np.int32)}
-    restored = reopened.load_latest(abstract, lambda meta, collector: None)
+    restored = reopened.load_latest(lambda meta: abstract, lambda meta, collector: None)
     assert restored.step == 9 and restored.collector == {"collector": {"step": 9}}
     assert np.asarray(restored.state["w"]).tolist() == [9.0] * 4 and int(restored.state["count"]) == 9
     assert restored.buffer_arrays["int32"].tolist() == [0, 1, 2]

@@ -1,0 +1,119 @@
+"""Several JAX processes on this machine, as on a pod: each `grpo-jax train` process gets its own simulated
+CPU devices, the processes talk through jax.distributed (gloo collectives), and the run is preempted
+(SIGTERM to one process), killed (SIGKILL to one process: the others must stop, not hang) and resumed.
+The audit must then report nothing lost and nothing trained twice, and every process must have held the
+same parameters after every step."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_trainer import FAST, REPO
+
+MAX_STEPS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices: int) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for index in range(processes):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(GRPO_JAX_COORDINATOR_ADDRESS=f"localhost:{port}", GRPO_JAX_NUM_PROCESSES=str(processes),
+                   GRPO_JAX_PROCESS_ID=str(index), JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"),
+                   "--run-dir", str(run_dir), *FAST, f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=1",
+                   "checkpoint.every_steps=2", "trainer.tensorboard=false", f"mesh.actor_devices={actor_devices}",
+                   "trainer.check_replicas=true", "distributed.heartbeat_timeout_s=10",
+                   "distributed.initialization_timeout_s=120"]
+        log = open(run_dir.parent / f"process{index}.log", "ab")
+        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    return procs
+
+
+def ledger_lines(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "events.process0.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def wait_lines(run_dir, procs, event: str, n: int, timeout: float = 400) -> None:
+    """Wait until the processes just started have written n `event` lines (their ledger run is a new one)."""
+    runs_before = max((line["run"] for line in ledger_lines(run_dir)), default=-1)
+    deadline = time.monotonic() + timeout
+    while sum(1 for line in ledger_lines(run_dir) if line["run"] > runs_before and line["event"] == event) < n:
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"no {n} steps: exit codes {[p.poll() for p in procs]}; see {run_dir.parent}/process*.log")
+        time.sleep(0.1)
+
+
+def exit_codes(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a process still runs {timeout} s later: it hangs instead of stopping")
+    return codes
+
+
+@pytest.mark.parametrize("processes, devices, actor_devices", [(2, 4, 2), (4, 2, 1)])
+def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_path, processes, devices, actor_devices):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    if processes == 2:
+        # SIGTERM to one process: every process stops after the same step, with one checkpoint, exit 75.
+        procs = start_all(run_dir, processes, devices, actor_devices)
+        wait_lines(run_dir, procs, "train", 3)
+        procs[-1].send_signal(signal.SIGTERM)
+        assert exit_codes(procs, 120) == [75] * processes
+        steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+        assert steps and steps[-1] >= 3
+
+    # SIGKILL to one process once this start has committed a checkpoint: the others stop (JAX's
+    # heartbeat) instead of hanging, and the resume goes back to that checkpoint.
+    procs = start_all(run_dir, processes, devices, actor_devices)
+    wait_lines(run_dir, procs, "checkpoint", 1)
+    procs[1].kill()
+    codes = exit_codes(procs, 90)
+    assert all(code != 0 for code in codes), codes
+
+    # Resume and run to the end.
+    procs = start_all(run_dir, processes, devices, actor_devices)
+    assert exit_codes(procs, 600) == [0] * processes, (tmp_path / "process0.log").read_text()[-3000:]
+
+    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    print(audit.stdout)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "lost:                 0" in audit.stdout and "trained twice:        0" in audit.stdout
+    assert f"events.process0.jsonl: run {2 if processes == 2 else 1} <- run" in audit.stdout  # resumed
+    assert sorted(p.name for p in run_dir.glob("events.process*.jsonl")) == [
+        f"events.process{i}.jsonl" for i in range(processes)]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == MAX_STEPS
+    for row in rows:  # every process held the same weights after every step
+        assert len(row["replica_digests"]) == processes and len(set(row["replica_digests"])) == 1, row["step"]
+    # Ordinals are global: the processes' trained ordinals never overlap and each is its own residue class.
+    for i in range(processes):
+        lines = [json.loads(x) for x in (run_dir / f"events.process{i}.jsonl").read_text().splitlines()]
+        ordinals = [o for line in lines if line["event"] == "train" for o in line["ordinals"]]
+        assert ordinals and all(o % processes == i for o in ordinals)
