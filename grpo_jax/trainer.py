@@ -564,10 +564,10 @@ class Trainer:
                 snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=self.ledger)
         except DataError as e:
             raise CheckpointError(f"checkpoint step {step}: {e}") from e
-        counts = self.collector.counts()
+        n, index = self.processes, self.process_index  # ordinals in the log are global, as in the ledger
         logger.info("resumed from checkpoint step %d: frontier ordinal %d, %d group(s) restored into the buffer, "
-                    "the data stream goes back to ordinal %d", step, counts["frontier"], len(self.buffer),
-                    saved_collector["resume_base_ordinal"])
+                    "the data stream goes back to ordinal %d", step, self.collector.frontier * n + index,
+                    len(self.buffer), saved_collector["resume_base_ordinal"] * n + index)
 
     def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
         """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,

@@ -244,3 +244,10 @@ def test_saves_are_due_by_steps_or_by_time(tmp_path, monkeypatch):
     assert by_time.due(4)
     by_time.close()
     by_steps.close()
+
+
+def test_a_checkpoint_from_another_process_count_is_refused(saved_run, tmp_path):
+    trainer = Trainer(tiny_config(copy_of(saved_run, tmp_path), "trainer.max_steps=2"))
+    meta = {"step": 2, "facts": {**trainer._resume_facts(), "process_count": 4}}
+    with pytest.raises(CheckpointError, match="written by 4 JAX process\\(es\\), this run has 1"):
+        trainer._check_resumable(meta, {"buffer": {"ordinals": []}})
