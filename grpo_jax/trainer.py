@@ -44,7 +44,7 @@ from grpo_jax.advantages import group_advantages
 from grpo_jax.checkpoint import Checkpoints, Restored
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
-from grpo_jax.config_io import save_config
+from grpo_jax.config_io import ConfigError, save_config
 from grpo_jax.data import DataError, make_data_iterator
 from grpo_jax.distributed import HostAgreement, by_process
 from grpo_jax.errors import CheckpointError
@@ -87,7 +87,6 @@ def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
         model, _ = load_hf_model(config.model_path, dtype=config.model.dtype)
         return model
     if tokenizer.vocab_size > config.model.vocab_size:
-        from grpo_jax.config_io import ConfigError
         raise ConfigError(f"model.vocab_size={config.model.vocab_size}: must be at least the tokenizer's "
                           f"vocabulary size {tokenizer.vocab_size} (tokenizer={config.tokenizer!r})")
     return create_model(config.model, seed=config.seed)
@@ -102,7 +101,6 @@ def split_devices(config: Config) -> tuple[list, list]:
     local = jax.local_devices()
     n = config.mesh.actor_devices
     if n >= len(local):
-        from grpo_jax.config_io import ConfigError
         raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(local)} devices"
                           f"{' per process' if jax.process_count() > 1 else ''}; use 0 to share all devices "
                           "between actor and learner)")
@@ -371,27 +369,30 @@ class Trainer:
         self.config = config
         self.run_dir = pathlib.Path(run_dir or config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.run_dir / "config.yaml")
+        if jax.process_index() == 0:
+            save_config(config, self.run_dir / "config.yaml")
         self.tokenizer = load_tokenizer(config)
         self.processes, self.process_index = jax.process_count(), jax.process_index()
         if config.grpo.prompts_per_step % self.processes:
-            from grpo_jax.config_io import ConfigError
             raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
                               f"{self.processes} JAX processes (each trains its share of every step)")
         self.local_prompts = config.grpo.prompts_per_step // self.processes  # this process's groups per step
         actor_devices, learner_devices = split_devices(config)
-        self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
+        try:
+            self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
+            self.actor_mesh = make_mesh(config.mesh.actor, actor_devices)
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e} (actor: {len(actor_devices)} device(s)"
+                              f"{' on this host' if self.processes > 1 else ''}, learner: {len(learner_devices)})") from e
         if self.processes > 1:
             # Each process feeds its own rows of the batch, which is split over data x fsdp in process order.
             splits = self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"]
             rows = self.local_prompts * config.grpo.group_size
             if splits % self.processes or rows % (splits // self.processes):
-                from grpo_jax.config_io import ConfigError
                 raise ConfigError(
                     f"mesh.learner: the batch is split {splits} ways (data x fsdp) over {self.processes} processes; "
                     f"each process's {rows} rows (prompts_per_step / processes x group_size) must split evenly "
                     "over its share of those devices")
-        self.actor_mesh = make_mesh(config.mesh.actor, actor_devices)
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         reference = None
