@@ -87,8 +87,8 @@ def _filtered_logprobs(logp, temperature, top_k, top_p):
 def test_config_validate():
     assert SamplerConfig().validate() == []
     bad = SamplerConfig(temperature=-1, top_p=0, top_k=-2, max_new_tokens=0, max_prompt_len=-1,
-                        decode_streams=0).validate()
-    assert len(bad) == 6
+                        decode_streams=0, decode_phases=0).validate()
+    assert len(bad) == 7
     assert any(s.startswith("top_p=0:") for s in bad)
     assert any(s.startswith("temperature=-1:") for s in bad)
     with pytest.raises(ValueError, match="top_k"):
@@ -189,6 +189,25 @@ def test_eos_stopping_and_finish_reasons(model, forward):
         logp = forward(p + list(toks[:n]))
         expected = logp[np.arange(len(p) - 1, len(p) + n - 1), toks[:n]]
         np.testing.assert_allclose(res.logprobs[i, :n], expected, atol=1e-4, rtol=0)
+
+
+def test_decode_phases_change_no_result(model, forward):
+    """Decoding in phases over a growing cache (bucket 32: two phases) gives what one loop over the whole
+    cache gives, with the runtime limit and eos stops falling inside a phase."""
+    rng = np.random.default_rng(8)
+    prompts = _prompts(rng, [3, 17, 9, 30, 1])
+    cfg = SamplerConfig(max_new_tokens=27, max_prompt_len=40, min_prompt_bucket=16)
+    eos = tuple(range(1, 30))
+    phased = Sampler(model, eos, PAD, cfg).generate(prompts, _row_keys(5, 8))
+    single = Sampler(model, eos, PAD, dataclasses.replace(cfg, decode_phases=1)).generate(prompts, _row_keys(5, 8))
+    assert "stop" in phased.finish_reasons and "length" in phased.finish_reasons
+    np.testing.assert_array_equal(phased.tokens, single.tokens)
+    np.testing.assert_allclose(phased.logprobs, single.logprobs, atol=1e-5)
+    for i, p in enumerate(prompts):
+        n = phased.lengths[i]
+        logp = forward(p + list(phased.tokens[i, :n]))
+        expected = logp[np.arange(len(p) - 1, len(p) + n - 1), phased.tokens[i, :n]]
+        np.testing.assert_allclose(phased.logprobs[i, :n], expected, atol=1e-4, rtol=0)
 
 
 def test_max_new_tokens_and_prompt_limit(sampler):
