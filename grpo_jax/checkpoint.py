@@ -278,8 +278,8 @@ class Checkpoints:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(self.directory / str(step)), str(target))
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices(f"grpo_jax set aside checkpoint {step}")
+            from orbax.checkpoint import multihost
+            multihost.sync_global_processes(f"grpo_jax_set_aside_{step}")
         self._manager.reload()
         logger.warning("checkpoint step %d cannot be read (%s: %s); moved it to %s and trying the step before it",
                        step, type(error).__name__, str(error)[:300], target)

@@ -150,6 +150,12 @@ def cmd_train(args) -> int:
     config = load_config(Config, args.config, args.overrides)
     run_dir = args.run_dir or config.run_dir
     show_trainer_log()
+    import faulthandler
+    import signal
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    except (OSError, ValueError):
+        pass  # stderr is not a real file (e.g. captured by a test runner): no stack dumps, nothing else changes
     from grpo_jax.distributed import initialize
     initialize(config.distributed)  # several processes (a TPU pod, or the multi-process tests)
     try:

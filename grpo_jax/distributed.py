@@ -10,7 +10,8 @@ Start-up (`initialize`), before anything asks JAX for its devices:
 On CPU, several processes need a collectives backend (gloo) for computations that span them.
 
 `heartbeat_timeout_s` bounds how long the survivors of a killed process wait: JAX's coordination
-service then aborts them instead of leaving them hanging in a collective.
+service then aborts them instead of leaving them hanging in a collective. `shutdown_timeout_s` bounds
+the wait for the others at exit (a survivor that stops with an error would otherwise wait 5 minutes).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class DistributedConfig:
     auto: bool = False  # let JAX detect the cluster (TPU pod, SLURM, ...)
     heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others abort
     initialization_timeout_s: int = 300
+    shutdown_timeout_s: int = 60  # at exit, how long to wait for the other processes (a dead one never comes)
     cpu_collectives: str = "gloo"  # CPU backend only
 
     def validate(self) -> list[str]:
         problems = []
-        if self.heartbeat_timeout_s < 1 or self.initialization_timeout_s < 1:
-            problems.append("heartbeat_timeout_s and initialization_timeout_s must be >= 1")
+        if min(self.heartbeat_timeout_s, self.initialization_timeout_s, self.shutdown_timeout_s) < 1:
+            problems.append("heartbeat_timeout_s, initialization_timeout_s and shutdown_timeout_s must be >= 1")
         if self.cpu_collectives not in ("gloo", "mpi"):
             problems.append(f"cpu_collectives={self.cpu_collectives!r}: allowed gloo, mpi")
         return problems
@@ -67,7 +69,8 @@ def initialize(config: DistributedConfig) -> bool:
 
     address = config.coordinator_address or os.environ.get("GRPO_JAX_COORDINATOR_ADDRESS", "")
     common = {"initialization_timeout": config.initialization_timeout_s,
-              "heartbeat_timeout_seconds": config.heartbeat_timeout_s}
+              "heartbeat_timeout_seconds": config.heartbeat_timeout_s,
+              "shutdown_timeout_seconds": config.shutdown_timeout_s}
     if address:
         count = config.num_processes or _env_int("GRPO_JAX_NUM_PROCESSES", 0)
         index = config.process_id if config.process_id >= 0 else _env_int("GRPO_JAX_PROCESS_ID", -1)
@@ -84,9 +87,23 @@ def initialize(config: DistributedConfig) -> bool:
         jax.distributed.initialize(**common)
     else:
         return False
+    _orbax_barriers_through_the_coordinator()
     logger.info("JAX process %d of %d: %d local device(s), %d in all", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
     return True
+
+
+def _orbax_barriers_through_the_coordinator() -> None:
+    """Orbax's barriers default to a collective over every device, run from its background commit thread.
+    That races the trainer's own collectives (issued from the learner thread in a different order on each
+    host: an intermittent deadlock) and queues behind the actor's sampling. The coordination service's
+    barrier needs no device."""
+    from absl import flags
+    import orbax.checkpoint  # noqa: F401 - defines the flag
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # outside absl.app.run nothing parses them; the defaults stand
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def _cpu_collectives(config: DistributedConfig) -> None:
@@ -108,7 +125,7 @@ def by_process(devices) -> np.ndarray:
 
 
 class HostAgreement:
-    """Gathers a small int64 vector from every process, over the learner's devices (so it never queues
+    """Gathers a small int32 vector from every process, over the learner's devices (so it never queues
     behind the actor's sampling on the actor's devices). One process: no JAX at all."""
 
     def __init__(self, learner_devices):
@@ -122,8 +139,8 @@ class HostAgreement:
         self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def gather(self, values) -> np.ndarray:
-        """[num_processes, len(values)]: row p is process p's values."""
-        local = np.asarray(values, np.int64)[None]
+        """[num_processes, len(values)]: row p is process p's values (int32: JAX runs without x64)."""
+        local = np.asarray(values, np.int32)[None]
         if self.processes == 1:
             return local
         x = jax.make_array_from_process_local_data(self.row_sharding, local)

@@ -130,11 +130,12 @@ def weights_copy(state, shardings, replicate=None):
 
 
 def replica_digest(state) -> int:
-    """A 63-bit hash of this host's whole copy of the weights, to compare across processes."""
+    """A 31-bit hash of this host's whole copy of the weights, to compare across processes (HostAgreement
+    carries int32)."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(state):
         h.update(np.asarray(leaf).tobytes())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
+    return int.from_bytes(h.digest()[:4], "little") >> 1
 
 
 def pack_process_state(own: dict, arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -685,7 +686,6 @@ class Trainer:
             try:
                 self.actor.start()
                 history = self._train_loop(writer)
-                self.preempted = self.stop_signals.received is not None
                 completed = not self.preempted
                 if self.preempted or (cfg.checkpoint.save_at_end and history):
                     if self.checkpoints.last_saved_step != self.version:
@@ -723,7 +723,8 @@ class Trainer:
             wait_start = time.perf_counter()
             groups = self._take_step_groups(step)
             if groups is None:
-                break  # stop signal while waiting: abandon this step
+                self.preempted = True
+                break  # stop signal while waiting (one process): abandon this step
             # Several processes: train while any still has groups (the others pad with empty rows).
             if not self.agreement.gather([len(groups)]).any():
                 logger.info("data exhausted after %d steps", step)
@@ -732,11 +733,13 @@ class Trainer:
             metrics = self._learn(groups, step)
             self._record_commits(self.checkpoints.poll())
             save_seconds = 0.0
-            # Every process must take the same decisions (a save is collective): agree on any's wish.
+            # Every process must take the same decisions (a save is collective): agree on any's wish, and
+            # act on the agreed values only; a signal that arrives after this gather counts at the next step.
             stop, due = self.agreement.gather([self.stop_signals.received is not None,
                                                self.checkpoints.due(self.version)]).any(axis=0)
             if stop and self.stop_signals.received is None:
                 self.stop_signals.stop()  # another process was signalled: stop here with it
+            self.preempted = bool(stop)
             if due and not stop:
                 save_start = time.perf_counter()
                 self.save_checkpoint()
@@ -749,7 +752,7 @@ class Trainer:
             if writer is not None:
                 writer.write(metrics)
             history.append(metrics)
-            if self.stop_signals.received is not None:
+            if stop:
                 break
         return history
 

@@ -28,11 +28,13 @@ def test_explicit_and_pod_start_up_pass_the_right_arguments(monkeypatch):
     monkeypatch.setenv("GRPO_JAX_PROCESS_ID", "3")
     assert initialize(DistributedConfig(heartbeat_timeout_s=7)) is True
     assert called[-1] == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3,
-                          "initialization_timeout": 300, "heartbeat_timeout_seconds": 7}
+                          "initialization_timeout": 300, "heartbeat_timeout_seconds": 7,
+                          "shutdown_timeout_seconds": 60}
     monkeypatch.delenv("GRPO_JAX_COORDINATOR_ADDRESS")
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
     assert initialize(DistributedConfig()) is True
-    assert called[-1] == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 100}  # JAX detects the pod
+    assert called[-1] == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 100,
+                          "shutdown_timeout_seconds": 60}  # JAX detects the pod
 
 
 @pytest.mark.parametrize("env, message", [

@@ -38,7 +38,7 @@ def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices
                    "--run-dir", str(run_dir), *FAST, f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=1",
                    "checkpoint.every_steps=2", "trainer.tensorboard=false", f"mesh.actor_devices={actor_devices}",
                    "trainer.check_replicas=true", "distributed.heartbeat_timeout_s=10",
-                   "distributed.initialization_timeout_s=120"]
+                   "distributed.initialization_timeout_s=120", "distributed.shutdown_timeout_s=10"]
         log = open(run_dir.parent / f"process{index}.log", "ab")
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     return procs
