@@ -236,11 +236,11 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict, dict], None]) -> Restored | None:
+    def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict], None]) -> Restored | None:
         """The newest step that reads back completely, or None when there is none.
 
         abstract_state(meta) gives the restore target (shapes, dtypes, shardings) for that step's arrays.
-        check(meta, collector) raises CheckpointError when the run cannot resume from it (another
+        check(meta) raises CheckpointError when the run cannot resume from it (another
         dataset, another model...): that is the user's decision, so it propagates. A step that cannot be
         read (truncated or missing files, bad JSON) is moved to RUN_DIR/checkpoints.corrupt/ with a
         warning, and the one before it is tried: nothing is deleted.
@@ -255,7 +255,7 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001 - any read failure of a step means "not usable"
                 self._set_aside(step, e)
                 continue
-            check(meta, collector)
+            check(meta)
             target = abstract_state(meta)
             difference = layout_difference(meta.get("layout", {}), tree_layout(target))
             if difference:

@@ -146,10 +146,11 @@ class HostAgreement:
         x = jax.make_array_from_process_local_data(self.row_sharding, local)
         return np.asarray(self._gather(x).addressable_data(0))
 
-    def rows(self, data: np.ndarray) -> jax.Array:
+    def rows(self, data: np.ndarray) -> tuple[jax.Array, list[int]]:
         """A global [num_processes, len] uint8 array whose row p is process p's `data` (padded with zeros
-        to the longest): how each process's own state goes into one Orbax checkpoint."""
-        longest = int(self.gather([len(data)]).max())
-        row = np.zeros((1, longest), np.uint8)
+        to the longest), and every row's true length: how each process's own state goes into one Orbax
+        checkpoint."""
+        lengths = [int(n) for n in self.gather([len(data)])[:, 0]]
+        row = np.zeros((1, max(lengths)), np.uint8)
         row[0, :len(data)] = data
-        return jax.make_array_from_process_local_data(self.row_sharding, row)
+        return jax.make_array_from_process_local_data(self.row_sharding, row), lengths

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 LEDGER_FILE = "events.jsonl"
 
 
+def global_ordinal(local: int, process_index: int, process_count: int) -> int:
+    """Process P's k-th prompt is element k * N + P of the whole stream (N processes): its global ordinal."""
+    return int(local) * process_count + process_index
+
+
 def ledger_file(process_index: int = 0, process_count: int = 1) -> str:
     """events.jsonl for one process; events.process{P}.jsonl for each of several."""
     return LEDGER_FILE if process_count == 1 else f"events.process{process_index}.jsonl"
@@ -121,7 +126,7 @@ class Ledger:
         self.fsync()
 
     def _global(self, ordinal: int) -> int:
-        return int(ordinal) * self.process_count + self.process_index
+        return global_ordinal(ordinal, self.process_index, self.process_count)
 
     # -- writing ------------------------------------------------------------------------------------
 

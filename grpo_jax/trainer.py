@@ -49,7 +49,7 @@ from grpo_jax.data import DataError, make_data_iterator
 from grpo_jax.distributed import HostAgreement, by_process
 from grpo_jax.errors import CheckpointError
 from grpo_jax.learner import Learner, pack_batch
-from grpo_jax.ledger import Ledger, ledger_file
+from grpo_jax.ledger import Ledger, global_ordinal, ledger_file
 from grpo_jax.metrics import MetricsWriter
 from grpo_jax.model import Transformer, create_model
 from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
@@ -266,7 +266,8 @@ class Actor:
         version = self._version
         # Keys from the global ordinal (with several processes the collector counts this process's own).
         n, index = jax.process_count(), jax.process_index()
-        keys = jnp.stack([jax.random.split(group_key(self.base_key, p.ordinal * n + index, p.record.get("regenerations", 0)), g)
+        keys = jnp.stack([jax.random.split(group_key(self.base_key, global_ordinal(p.ordinal, index, n),
+                                                     p.record.get("regenerations", 0)), g)
                           for p in good]).reshape(-1)
         prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
         start = time.perf_counter()
@@ -370,10 +371,10 @@ class Trainer:
         self.config = config
         self.run_dir = pathlib.Path(run_dir or config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
+        self.processes, self.process_index = jax.process_count(), jax.process_index()
+        if self.process_index == 0:
             save_config(config, self.run_dir / "config.yaml")
         self.tokenizer = load_tokenizer(config)
-        self.processes, self.process_index = jax.process_count(), jax.process_index()
         if config.grpo.prompts_per_step % self.processes:
             raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
                               f"{self.processes} JAX processes (each trains its share of every step)")
@@ -410,8 +411,8 @@ class Trainer:
         self.version = 0
 
         # Each JAX process reads its own shard of the stream (one process here; several on a pod).
-        self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=jax.process_index(),
-                                           shard_count=jax.process_count())
+        self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=self.process_index,
+                                           shard_count=self.processes)
         grpo = config.grpo
         self.buffer_capacity = config.trainer.buffer_capacity or self.local_prompts * (grpo.max_staleness + 2)
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
@@ -497,9 +498,9 @@ class Trainer:
     def _resume_facts(self) -> dict:
         """What a checkpoint records and a resume must match (besides the tensor layout)."""
         return {"data_fingerprint": self.iterator.fingerprint, "worker_count": self.config.data.worker_count,
-                "process_count": jax.process_count(), "group_size": self.config.grpo.group_size}
+                "process_count": self.processes, "group_size": self.config.grpo.group_size}
 
-    def _check_resumable(self, meta: dict, saved: dict) -> None:
+    def _check_resumable(self, meta: dict) -> None:
         """Refuse, with the reason, a checkpoint this config cannot resume exactly (see Checkpoints)."""
         facts, step = meta.get("facts", {}), meta["step"]
         where = f"checkpoint step {step} in {self.checkpoints.directory}"
@@ -520,7 +521,7 @@ class Trainer:
                 raise CheckpointError(
                     f"{where} was written by {facts.get('process_count')} JAX process(es), this run has "
                     f"{now['process_count']}: each process's data shard and iterator state would differ")
-        if (self.config.checkpoint.load_replay_buffer and saved.get("buffer", {}).get("ordinals")
+        if (self.config.checkpoint.load_replay_buffer and meta.get("buffered_groups")
                 and facts.get("group_size") != now["group_size"]):
             raise CheckpointError(
                 f"{where} holds groups of {facts.get('group_size')} completions, grpo.group_size is now "
@@ -566,10 +567,10 @@ class Trainer:
                 snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=self.ledger)
         except DataError as e:
             raise CheckpointError(f"checkpoint step {step}: {e}") from e
-        n, index = self.processes, self.process_index  # ordinals in the log are global, as in the ledger
+        where = (self.process_index, self.processes)  # ordinals in the log are global, as in the ledger
         logger.info("resumed from checkpoint step %d: frontier ordinal %d, %d group(s) restored into the buffer, "
-                    "the data stream goes back to ordinal %d", step, self.collector.frontier * n + index,
-                    len(self.buffer), saved_collector["resume_base_ordinal"] * n + index)
+                    "the data stream goes back to ordinal %d", step, global_ordinal(self.collector.frontier, *where),
+                    len(self.buffer), global_ordinal(saved_collector["resume_base_ordinal"], *where))
 
     def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
         """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,
@@ -599,15 +600,15 @@ class Trainer:
         collector_state = self.collector.checkpoint_state(buffer_state["ordinals"])
         meta = {"facts": self._resume_facts(), "weight_version": self.version,
                 "learner": {"steps_done": self.learner.steps_done, "nonfinite_total": self.learner.nonfinite_total},
-                "frontier_ordinal": collector_state["frontier_ordinal"]}
+                "frontier_ordinal": collector_state["frontier_ordinal"],
+                # All processes' groups (meta is written by process 0 only), for the group-size check.
+                "buffered_groups": int(self.agreement.gather([len(buffer_state["ordinals"])]).sum())}
         own = {"collector": collector_state, "buffer": buffer_state}
         state, arrays = self._saved_state(), pool.arrays()
         if self.processes > 1:
             # Orbax writes JSON from the primary process only: each process's collector and buffer go
             # into row p of one global array instead (an .npz of JSON bytes and the buffer's arrays).
-            blob = pack_process_state(own, arrays)
-            state["processes"] = self.agreement.rows(blob)
-            meta["process_state_bytes"] = [int(n) for n in self.agreement.gather([len(blob)])[:, 0]]
+            state["processes"], meta["process_state_bytes"] = self.agreement.rows(pack_process_state(own, arrays))
             own, arrays = {"per_process": True}, ArrayPool().arrays()
         self.checkpoints.save(self.version, state, arrays, own, meta)
         self._frontier_of_save[self.version] = (collector_state["frontier_ordinal"], collector_state["ledger_covers"])

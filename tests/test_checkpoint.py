@@ -150,8 +150,8 @@ def test_a_group_size_change_with_groups_in_the_buffer_is_refused(saved_run, tmp
     trainer = Trainer(tiny_config(copy_of(saved_run, tmp_path), "trainer.max_steps=2"))
     meta = {"step": 2, "facts": {**trainer._resume_facts(), "group_size": 8}}
     with pytest.raises(CheckpointError, match="groups of 8 completions.*load_replay_buffer=false"):
-        trainer._check_resumable(meta, {"buffer": {"ordinals": [9]}})
-    trainer._check_resumable(meta, {"buffer": {"ordinals": []}})  # an empty buffer holds no groups to misfit
+        trainer._check_resumable({**meta, "buffered_groups": 1})
+    trainer._check_resumable({**meta, "buffered_groups": 0})  # an empty buffer holds no groups to misfit
 
 
 def test_a_finished_run_resumed_with_the_same_max_steps_does_nothing(saved_run, tmp_path):
@@ -207,7 +207,7 @@ def test_keeps_the_last_n_plus_every_kth_and_reports_commits_in_order(tmp_path):
     reopened = Checkpoints(tmp_path, CheckpointConfig())
     assert reopened.steps() == [4, 8, 9]
     abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32), "count": jax.ShapeDtypeStruct((), np.int32)}
-    restored = reopened.load_latest(lambda meta: abstract, lambda meta, collector: None)
+    restored = reopened.load_latest(lambda meta: abstract, lambda meta: None)
     assert restored.step == 9 and restored.collector == {"collector": {"step": 9}}
     assert np.asarray(restored.state["w"]).tolist() == [9.0] * 4 and int(restored.state["count"]) == 9
     assert restored.buffer_arrays["int32"].tolist() == [0, 1, 2]
@@ -250,4 +250,12 @@ def test_a_checkpoint_from_another_process_count_is_refused(saved_run, tmp_path)
     trainer = Trainer(tiny_config(copy_of(saved_run, tmp_path), "trainer.max_steps=2"))
     meta = {"step": 2, "facts": {**trainer._resume_facts(), "process_count": 4}}
     with pytest.raises(CheckpointError, match="written by 4 JAX process\\(es\\), this run has 1"):
-        trainer._check_resumable(meta, {"buffer": {"ordinals": []}})
+        trainer._check_resumable(meta)
+
+
+def test_meta_counts_the_buffered_groups_the_group_size_check_reads(saved_run):
+    for step in (1, 2):
+        item = saved_run / "checkpoints" / str(step)
+        meta = json.loads((item / "meta" / "metadata").read_text())
+        saved = json.loads((item / "collector" / "metadata").read_text())
+        assert meta["buffered_groups"] == len(saved["buffer"]["ordinals"])
