@@ -11,3 +11,12 @@ __version__ = "0.1.0"
 _CPU_FLAG = "--xla_cpu_copy_insertion_use_region_analysis=true"
 if not os.environ.get("GRPO_JAX_KEEP_XLA_FLAGS") and "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_FLAG).strip()
+
+
+def __getattr__(name: str):
+    # grpo_jax.train imports jax and the trainer: only when it is first used, so `import grpo_jax` stays cheap.
+    if name == "train":
+        from grpo_jax.api import train
+
+        return train
+    raise AttributeError(f"module 'grpo_jax' has no attribute {name!r}")

@@ -14,6 +14,16 @@ leftover is cleaned up when the manager opens). Saves are asynchronous: save() r
 are copied on their devices and the JSON is taken; Orbax's host copy, the files and the commit happen
 in a background thread.
 
+Content checksums: each JSON item carries the SHA-256 of its own content (CHECKSUM_KEY), and with several
+processes each process's own state bytes end with theirs (seal_bytes); both are verified on restore.
+Steps written before checksums existed have none and load unchecked.
+
+Faults: only a step that is really damaged (a missing or truncated file, unparsable metadata, a checksum
+that does not match: `damage_in`) is set aside on resume; any other failure while reading one (a device
+out of memory, a storage error) stops the start and touches nothing. A save that fails (a full disk)
+raises one CheckpointError naming the step, the directory, the error and, for a full disk, the space a
+checkpoint needs; Orbax's own reports of a full disk from its writer threads are silenced.
+
 `Checkpoints.poll()` reports saves that have committed since the last call, so the trainer writes the
 ledger's `checkpoint` line only for a step that really is on disk.
 """
@@ -22,9 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
+import hashlib
+import json
 import logging
+import math
+import os
 import pathlib
+import re
 import shutil
+import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -42,6 +60,9 @@ FORMAT = "grpo_jax.checkpoint/1"
 ITEMS = ("state", "buffer", "collector", "meta")
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints.corrupt"
+CHECKSUM_KEY = "content_sha256"  # in each JSON item: the SHA-256 of the rest of it (canonical JSON)
+DIGEST_BYTES = 32  # a SHA-256 digest, at the end of sealed bytes
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +126,172 @@ def layout_difference(saved: dict, current: dict) -> str | None:
     return None
 
 
+class DamagedStep(Exception):
+    """Raised while reading a step whose content is not what was written: a checksum that does not match, a
+    meta item that is not a record of that step, state bytes that do not unpack. load_latest sets such a
+    step aside."""
+
+
+# -- content checksums ------------------------------------------------------------------------------
+
+
+def _canonical(item: Any) -> bytes:
+    return json.dumps(item, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def with_checksum(item: dict) -> dict:
+    """`item` as it will read back (string keys, lists) plus CHECKSUM_KEY, the SHA-256 of that content."""
+    plain = json.loads(json.dumps(item))
+    return {**plain, CHECKSUM_KEY: hashlib.sha256(_canonical(plain)).hexdigest()}
+
+
+def verified(item: Any, what: str) -> dict:
+    """A JSON item as read back, without its checksum; DamagedStep when it is not an object or does not
+    match its checksum. An item written before checksums existed has none and is taken as it is."""
+    if not isinstance(item, dict):
+        raise DamagedStep(f"{what} is not a JSON object")
+    if CHECKSUM_KEY not in item:
+        return item
+    item = dict(item)
+    expected = item.pop(CHECKSUM_KEY)
+    if hashlib.sha256(_canonical(item)).hexdigest() != expected:
+        raise DamagedStep(f"{what} does not match its checksum")
+    return item
+
+
+def seal_bytes(data: np.ndarray) -> np.ndarray:
+    """uint8 `data` followed by its SHA-256 digest."""
+    digest = hashlib.sha256(np.ascontiguousarray(data).tobytes()).digest()
+    return np.concatenate([data.astype(np.uint8), np.frombuffer(digest, np.uint8)])
+
+
+def unseal_bytes(data: np.ndarray, what: str) -> np.ndarray:
+    """The bytes seal_bytes() was given; DamagedStep when they do not match the digest after them."""
+    body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+    if len(data) < DIGEST_BYTES or hashlib.sha256(np.ascontiguousarray(body).tobytes()).digest() != digest.tobytes():
+        raise DamagedStep(f"{what} do not match their checksum")
+    return body
+
+
+# -- what an error says about a step ------------------------------------------------------------------
+
+# TensorStore (Orbax's array storage) starts its messages with a status. These three mean the stored bytes
+# are missing or are not what was written; the others (RESOURCE_EXHAUSTED, UNAVAILABLE, PERMISSION_DENIED,
+# DEADLINE_EXCEEDED, ...) say nothing about the step itself.
+_DAMAGE_STATUS = re.compile(r"^(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE): ")
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")  # TensorStore's note of the OS error beneath its status
+
+
+def _causes(error: BaseException | None):
+    """`error` and the errors it was raised from, outermost first. Explicit causes only: an error raised
+    while another was being handled (__context__) is not explained by it."""
+    while error is not None:
+        yield error
+        error = error.__cause__
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def damage_in(error: BaseException) -> str | None:
+    """Why `error`, raised while reading a step, shows that the step itself is damaged (a missing or
+    truncated file, unparsable metadata, a checksum that does not match); None when it shows nothing of
+    the kind (a device out of memory, a storage or permission error, a bug): that step must stay."""
+    for e in _causes(error):
+        if isinstance(e, DamagedStep):
+            return str(e)
+        if isinstance(e, FileNotFoundError):
+            return f"a file is missing ({_one_line(e)})"
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+            return f"unparsable metadata ({type(e).__name__}: {_one_line(e)})"
+        if isinstance(e, KeyError) and "was not found in the checkpoint" in str(e):
+            return f"an item is missing ({_one_line(e)})"  # Orbax, for an item directory that is not there
+        if _DAMAGE_STATUS.match(str(e)):
+            return _one_line(e)
+    return None
+
+
+def os_error_number(error: BaseException | None) -> int | None:
+    """The errno beneath `error` (an OSError, or TensorStore's os_error_code), or None."""
+    for e in _causes(error):
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        found = _OS_ERROR_CODE.search(str(e))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+class _DiskFullReports(logging.Filter):
+    """Orbax reports one full disk many times over: a traceback from each of its writer threads, then one
+    for every write still pending when its event loop closed. The trainer ends with one line that says
+    it all, so these reports, and only these, are dropped (`seen` then notes that the disk filled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        in_message = _OS_ERROR_CODE.search(message)
+        number = os_error_number(record.exc_info[1] if record.exc_info else None) or (
+            int(in_message.group(1)) if in_message else None)
+        no_space = "orbax" in record.pathname and (number in NO_SPACE or os.strerror(errno.ENOSPC) in message)
+        self.seen = self.seen or no_space
+        return not no_space
+
+
+_DISK_FULL_REPORTS = _DiskFullReports()
+
+
+class _DropAbandonedWrites:
+    """sys.unraisablehook: once the disk has filled, the writes Orbax abandoned finish into a closed event
+    loop and their coroutines are collected unfinished, each with a traceback; those are dropped. (It keeps
+    what it needs on itself: some arrive while the interpreter shuts down.)"""
+
+    def __init__(self, previous, reports: _DiskFullReports):
+        self.previous, self.reports = previous, reports
+
+    def __call__(self, unraisable) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        abandoned = (str(unraisable.exc_value) == "Event loop is closed"
+                     or "orbax" in str(getattr(code, "co_filename", "")))
+        if not (self.reports.seen and abandoned):
+            self.previous(unraisable)
+
+
+def _silence_disk_full_reports() -> None:
+    logging.getLogger("absl").addFilter(_DISK_FULL_REPORTS)  # Orbax logs through absl; adding twice is a no-op
+    if not isinstance(sys.unraisablehook, _DropAbandonedWrites):
+        sys.unraisablehook = _DropAbandonedWrites(sys.unraisablehook, _DISK_FULL_REPORTS)
+
+
+def _bytes_on_disk(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _array_bytes(tree: Any) -> int:
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def _this_process_only(values) -> np.ndarray:
+    return np.asarray(values, np.int32)[None]
+
+
+# How each process judged reading a step, as gathered across processes.
+READ, DAMAGED, FAILED = 0, 1, 2
+
+
 # One dispatch for the whole tree (a copy per leaf would cost a dispatch each); outputs never alias
 # non-donated inputs, so these are new buffers the learner's next step cannot donate away.
 _device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
@@ -117,15 +304,32 @@ class Checkpoints:
         self.config = config
         self.run_dir = pathlib.Path(run_dir)
         self.directory = self.run_dir / CHECKPOINT_DIR
+        self._refuse_unwritable()
+        _silence_disk_full_reports()
         self._manager = self._open()
         self._lock = threading.Lock()
         self._writer: threading.Thread | None = None  # the background save in flight, if any
         self._committed: list[int] = []  # committed, not yet reported by poll()
         self._uncommitted: list[int] = []  # several processes: saved by Orbax's own async, not yet committed
-        self._error: BaseException | None = None  # a background save's failure, raised by the next call
+        self._error: tuple[int, BaseException] | None = None  # a background save's (step, failure), not yet raised
+        self._failure_reported = False  # Orbax raises a failed save again from close(): it has been said
         self._last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
+        self.last_save_array_bytes = 0  # the latest save's arrays: the space estimate while no step is on disk
         self.blocked_seconds: list[float] = []  # per save: how long save() held the caller
+
+    def _refuse_unwritable(self) -> None:
+        """Refuse at start, in one line, a checkpoint directory no file can be written to (a read-only mount,
+        a file in its place), instead of failing at the first save."""
+        probe = self.directory / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.directory} is not a writable directory "
+                                  f"({e.strerror or e}): fix its permissions or mount, or choose another "
+                                  "--run-dir") from None
 
     def _open(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
@@ -161,8 +365,13 @@ class Checkpoints:
         self._raise_background_error()
         meta = {**meta, "format": FORMAT, "step": int(step), "saved_at": datetime.datetime.now().isoformat(),
                 "layout": tree_layout(state)}
+        collector, meta = with_checksum(collector), with_checksum(meta)
+        self.last_save_array_bytes = _array_bytes(state) + _array_bytes(buffer_arrays)
         if self.config.async_save and jax.process_count() > 1:
-            self._manager.save(step, args=self._args(state, buffer_arrays, collector, meta), force=True)
+            try:
+                self._manager.save(step, args=self._args(state, buffer_arrays, collector, meta), force=True)
+            except Exception as e:  # noqa: BLE001 - Orbax raises the previous save's failure here too
+                raise self._save_failed(self._uncommitted[0] if self._uncommitted else step, e) from e
             self._uncommitted.append(step)
         elif self.config.async_save:
             state = _device_copy(state)
@@ -195,21 +404,71 @@ class Checkpoints:
                 self._committed.append(step)
         except BaseException as e:  # noqa: BLE001 - reported to the learner by poll()/save()/wait()
             with self._lock:
-                self._error = e
+                self._error = (step, e)
 
     def _raise_background_error(self) -> None:
         with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"saving a checkpoint in {self.directory} failed: {type(error).__name__}: "
-                                  f"{error}") from error
+            failure, self._error = self._error, None
+        if failure is not None:
+            raise self._save_failed(*failure) from failure[1]
+
+    def _save_failed(self, step: int, error: BaseException) -> CheckpointError:
+        """The one-line error for a save that failed, once what is left on disk has been looked at: the
+        space a checkpoint needs when the disk is full, and whether the last committed step is in place."""
+        self._failure_reported = True
+        self._uncommitted = []  # the failed save and any after it will never commit
+        number = os_error_number(error)
+        disk_full = number in NO_SPACE
+        if disk_full and jax.process_count() == 1:
+            # Its space is what the ledger and the metrics still need; what a write still pending re-creates is
+            # removed at the next start, with other leftovers.
+            for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._manager.reload()
+        previous = [s for s in self.steps() if s < step]
+        last = previous[-1] if previous else None
+        message = f"checkpoint step {step} could not be written to {self.directory}: "
+        if disk_full:
+            message += f"{os.strerror(number)} ({errno.errorcode[number]}); {self._space_needed(last)}"
+        else:
+            message += f"{type(error).__name__}: {_one_line(error)}"
+        if last is None:
+            return CheckpointError(f"{message}; no checkpoint was committed before it, so the same command run again "
+                                   "starts from step 0 and the ledger starts a new chain")
+        try:
+            self._read_json(last)
+            for item in ("state", "buffer"):
+                if not (self.directory / str(last) / item).is_dir():
+                    raise DamagedStep(f"item {item} of step {last} is missing")
+        except Exception as e:  # noqa: BLE001 - said in the message
+            return CheckpointError(f"{message}; the last committed checkpoint, step {last}, does not read back either "
+                                   f"({damage_in(e) or _one_line(e)})")
+        fix = "free space" if disk_full else "fix the cause"
+        return CheckpointError(f"{message}; the last committed checkpoint, step {last}, is in place (its items are "
+                               "there and its metadata matches its checksums) and the ledger lines it covers were "
+                               f"synced to disk before it was saved: {fix} and run the same command to resume from "
+                               f"step {last}")
+
+    def _space_needed(self, step_on_disk: int | None) -> str:
+        if step_on_disk is not None:
+            size, measured = _bytes_on_disk(self.directory / str(step_on_disk)), f"step {step_on_disk} on disk"
+        else:
+            size, measured = self.last_save_array_bytes, "its arrays"
+        kept = self.config.keep_last + 1
+        every = " plus every multiple of checkpoint.keep_every kept" if self.config.keep_every else ""
+        return (f"a checkpoint of this run takes about {_size(size)} ({measured}) and {self.directory} needs room for "
+                f"{kept} of them{every} (checkpoint.keep_last={self.config.keep_last} and the one being written): "
+                f"about {_size(kept * size)}")
 
     def poll(self) -> list[int]:
         """Steps whose save has committed since the last call (oldest first). Never blocks; a failed
         background save raises here."""
         self._raise_background_error()
         if self._uncommitted and not self._manager.is_saving_in_progress():
-            self._manager.check_for_errors()
+            try:
+                self._manager.check_for_errors()
+            except Exception as e:  # noqa: BLE001
+                raise self._save_failed(self._uncommitted[0], e) from e
             on_disk = set(self._manager.all_steps())
             with self._lock:
                 self._committed += [s for s in self._uncommitted if s in on_disk]
@@ -223,37 +482,60 @@ class Checkpoints:
         if self._writer is not None:
             self._writer.join()
         if self._uncommitted:
-            self._manager.wait_until_finished()
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                raise self._save_failed(self._uncommitted[0], e) from e
         return self.poll()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.join()
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as e:  # noqa: BLE001
+            if not self._failure_reported:  # else: Orbax raising the failed save again, already said
+                raise self._save_failed(self.last_saved_step or 0, e) from e
 
     # -- resuming -----------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict], None]) -> Restored | None:
+    def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict], None],
+                    open_own_state: Callable[[Restored], None] | None = None,
+                    agree: Callable[[list[int]], np.ndarray] = _this_process_only) -> Restored | None:
         """The newest step that reads back completely, or None when there is none.
 
         abstract_state(meta) gives the restore target (shapes, dtypes, shardings) for that step's arrays.
-        check(meta) raises CheckpointError when the run cannot resume from it (another
-        dataset, another model...): that is the user's decision, so it propagates. A step that cannot be
-        read (truncated or missing files, bad JSON) is moved to RUN_DIR/checkpoints.corrupt/ with a
-        warning, and the one before it is tried: nothing is deleted.
+        check(meta) raises CheckpointError when the run cannot resume from it (another dataset, another
+        model...): that is the user's decision, so it propagates. open_own_state(restored), with several
+        processes, takes this process's own collector and buffer out of the restored arrays (DamagedStep
+        when they do not match their checksum). agree(values) gathers a row of ints from every process
+        (HostAgreement.gather): process 0 chooses the step to try, since it is the one that moves steps
+        aside, and every process acts on what all of them found.
+
+        A step that is damaged on any process (see damage_in) is moved to RUN_DIR/checkpoints.corrupt/
+        with a warning and the one before it is tried: nothing is deleted. Any other failure while reading
+        a step (a device out of memory, a storage error) raises CheckpointError and moves nothing.
         """
-        for step in reversed(self.steps()):
-            try:
-                json_items = self._manager.restore(step, args=ocp.args.Composite(
-                    collector=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-                meta, collector = json_items["meta"], json_items["collector"]
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
-                    raise CheckpointError(f"meta is not a {FORMAT} record of step {step}")
-            except Exception as e:  # noqa: BLE001 - any read failure of a step means "not usable"
-                self._set_aside(step, e)
+        below = None  # steps at or above this were set aside by this call
+        while True:
+            listed = [s for s in self.steps() if below is None or s < below]
+            step = int(agree([listed[-1] if listed else -1])[0, 0])
+            if step < 0:
+                return None
+            error = None
+            if step not in listed:
+                error = CheckpointError(f"this process does not see checkpoint step {step}, which process 0 chose: "
+                                        f"every process must see the same {self.directory} (one shared filesystem)")
+            else:
+                try:
+                    meta, collector = self._read_json(step)
+                except Exception as e:  # noqa: BLE001 - judged by _agreed_readable
+                    error = e
+            if not self._agreed_readable(step, error, agree):
+                below = step
                 continue
             check(meta)
             target = abstract_state(meta)
@@ -265,14 +547,48 @@ class Checkpoints:
             try:
                 arrays = self._manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), buffer=ocp.args.StandardRestore()))
-            except Exception as e:  # noqa: BLE001
-                self._set_aside(step, e)
+                restored = Restored(step, arrays["state"], {k: np.asarray(v) for k, v in arrays["buffer"].items()},
+                                    collector, meta)
+                if open_own_state is not None:
+                    open_own_state(restored)
+            except Exception as e:  # noqa: BLE001 - judged by _agreed_readable
+                error = e
+            if not self._agreed_readable(step, error, agree):
+                below = step
                 continue
-            buffer_arrays = {k: np.asarray(v) for k, v in arrays["buffer"].items()}
-            return Restored(step, arrays["state"], buffer_arrays, collector, meta)
-        return None
+            return restored
 
-    def _set_aside(self, step: int, error: BaseException) -> None:
+    def _read_json(self, step: int) -> tuple[dict, dict]:
+        """(meta, collector) of `step`, checked against their checksums."""
+        items = self._manager.restore(step, args=ocp.args.Composite(
+            collector=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        meta = verified(items["meta"], f"item meta of step {step}")
+        collector = verified(items["collector"], f"item collector of step {step}")
+        if meta.get("format") != FORMAT or meta.get("step") != step:
+            raise DamagedStep(f"meta is not a {FORMAT} record of step {step}")
+        return meta, collector
+
+    def _agreed_readable(self, step: int, error: BaseException | None, agree: Callable) -> bool:
+        """Whether every process read `step` so far (`error`: this process's failure, if any). A step damaged
+        on any process is set aside (False); a failure of any other kind, on any process, raises."""
+        damage = damage_in(error) if error is not None else None
+        verdict = READ if error is None else DAMAGED if damage else FAILED
+        verdicts = agree([verdict])[:, 0]
+        where = f"checkpoint step {step} in {self.directory}"
+        keep = ("it does not look damaged (no file missing, truncated or off its checksum), so nothing was moved or "
+                "changed: fix the cause and run the same command again")
+        if verdict == FAILED:
+            raise CheckpointError(f"{where} could not be restored: {type(error).__name__}: {_one_line(error)}; "
+                                  f"{keep}") from error
+        if (verdicts == FAILED).any():
+            raise CheckpointError(f"{where} could not be restored by process {int(np.argmax(verdicts == FAILED))} "
+                                  f"(its own message says why); {keep}")
+        if (verdicts == DAMAGED).any():
+            self._set_aside(step, damage or f"process {int(np.argmax(verdicts == DAMAGED))} found it damaged")
+            return False
+        return True
+
+    def _set_aside(self, step: int, reason: str) -> None:
         target = self.run_dir / CORRUPT_DIR / f"{step}-{int(time.time())}"
         if jax.process_index() == 0:  # one mover; every process then sees the same steps
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -281,5 +597,5 @@ class Checkpoints:
             from orbax.checkpoint import multihost
             multihost.sync_global_processes(f"grpo_jax_set_aside_{step}")
         self._manager.reload()
-        logger.warning("checkpoint step %d cannot be read (%s: %s); moved it to %s and trying the step before it",
-                       step, type(error).__name__, str(error)[:300], target)
+        logger.warning("checkpoint step %d cannot be read (%s); moved it to %s and trying the step before it",
+                       step, reason, target)

@@ -1,7 +1,7 @@
 """The `grpo-jax` command line.
 
-Errors a user can fix (bad config, bad checkpoint, bad prompt file) print one line and exit with code 2;
-anything else is a bug and keeps its traceback.
+Errors a user can fix (grpo_jax.errors.UserError: bad config, checkpoint, data, prompt file, run directory)
+print one line and exit with the error's exit_code (2); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,17 +12,9 @@ import pathlib
 import sys
 import time
 
-from grpo_jax.config_io import ConfigError
-from grpo_jax.errors import CheckpointError
+from grpo_jax.errors import CheckpointError, ConfigError, UsageError, UserError
 
-EXIT_USER_ERROR = 2
-
-
-class UsageError(ValueError):
-    """Bad command-line input (a missing file, an empty prompt file, ...)."""
-
-
-USER_ERRORS = (ConfigError, CheckpointError, UsageError)
+EXIT_USER_ERROR = UserError.exit_code
 
 
 def read_prompts(path: str) -> list[str]:
@@ -30,8 +22,14 @@ def read_prompts(path: str) -> list[str]:
     file = pathlib.Path(path)
     if not file.is_file():
         raise UsageError(f"prompt file {file} does not exist")
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is not part of the first prompt
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UsageError(f"{file}:{line}: not UTF-8 text (byte offset {e.start}); save the file as UTF-8") from None
     prompts = []
-    for line_number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if file.suffix == ".jsonl":
@@ -55,10 +53,10 @@ def cmd_init_model(args) -> None:
     from grpo_jax.config_io import load_config
     from grpo_jax.hf import save_hf_model
     from grpo_jax.model import count_params, create_model
-    from grpo_jax.tokenizer import Tokenizer
+    from grpo_jax.tokenizer import load_tokenizer
 
     config = load_config(Config, args.config, args.overrides)
-    tokenizer = Tokenizer.byte_level() if config.tokenizer in ("", "byte") else Tokenizer.from_dir(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer, config.model_path)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size={config.model.vocab_size}: must be at least the tokenizer's "
                           f"vocabulary size {tokenizer.vocab_size}")
@@ -144,8 +142,7 @@ def cmd_train(args) -> int:
     EXIT_PREEMPTED (75) after a SIGTERM/SIGINT once its checkpoint is committed."""
     from grpo_jax.config import Config
     from grpo_jax.config_io import load_config
-    from grpo_jax.data import DataError
-    from grpo_jax.trainer import EXIT_PREEMPTED, Trainer, TrainerError
+    from grpo_jax.trainer import EXIT_PREEMPTED, Trainer
 
     config = load_config(Config, args.config, args.overrides)
     run_dir = args.run_dir or config.run_dir
@@ -158,11 +155,8 @@ def cmd_train(args) -> int:
         pass  # stderr is not a real file (e.g. captured by a test runner): no stack dumps, nothing else changes
     from grpo_jax.distributed import initialize
     initialize(config.distributed)  # several processes (a TPU pod, or the multi-process tests)
-    try:
-        trainer = Trainer(config, run_dir)
-        history = trainer.train()
-    except (DataError, TrainerError) as e:
-        raise UsageError(str(e)) from e
+    trainer = Trainer(config, run_dir)
+    history = trainer.train()
     if trainer.preempted:
         print(f"preempted after step {trainer.version}; checkpoint saved in {run_dir}: run the same command to "
               "resume", file=sys.stderr)
@@ -172,6 +166,48 @@ def cmd_train(args) -> int:
         print(f"trained {last['step']} steps in {last['time/elapsed_s']:.0f}s; final reward/mean "
               f"{last['reward/mean']:.3f}; run directory {run_dir}")
     return 0
+
+
+def cmd_eval(args) -> None:
+    """Evaluate a saved model on the config's held-out prompts (its eval section, grpo_jax.evaluation): one
+    JSON line per prompt to --output (else stdout), then one summary line on stdout."""
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import load_config
+    from grpo_jax.evaluation import Evaluator, eval_problems, held_out_records
+    from grpo_jax.hf import load_hf_model
+    from grpo_jax.metrics import json_line
+    from grpo_jax.rewards import RewardSuite
+    from grpo_jax.sampler import Sampler
+    from grpo_jax.tokenizer import load_tokenizer
+
+    config = load_config(Config, args.config, args.overrides)
+    problems = eval_problems(config)  # whatever eval.every_steps says: this command evaluates
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
+    tokenizer = load_tokenizer(config.tokenizer, args.model)  # tokenizer "": the model directory's own
+    records = held_out_records(config, tokenizer)  # data problems are reported before the model is read
+    model, _ = load_hf_model(args.model, dtype=config.model.dtype)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"tokenizer={config.tokenizer!r}: {tokenizer.vocab_size} tokens, more than the vocab_size "
+                          f"{model.config.vocab_size} of {args.model}/config.json")
+    sampler = Sampler(model, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=config.sampler)
+    rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
+    evaluator = Evaluator(config, tokenizer, records, rewards,
+                          batch_rows=config.grpo.prompts_per_step * config.grpo.group_size)
+    start = time.perf_counter()
+    try:
+        result = evaluator.evaluate(sampler)
+    finally:
+        sampler.close()
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for prompt in result.prompts:
+            out.write(json_line(prompt))
+    finally:
+        if args.output:
+            out.close()
+    print(json_line({"model": str(args.model), **result.summary, "eval/seconds": time.perf_counter() - start}),
+          end="", flush=True)
 
 
 def cmd_plot(args) -> None:
@@ -195,6 +231,22 @@ def cmd_audit(args) -> int:
     report = audit(args.run_dir)
     print(report.summary())
     return 0 if report.ok else 1
+
+
+def cmd_compile(args) -> None:
+    """Compile every program of a run for a TPU topology (no TPU needed) and report memory and time; exits
+    with DoesNotFit's code when a program does not fit."""
+    import os
+    # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from grpo_jax.aot import check_fits, compile_run, format_report
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import load_config
+
+    config = load_config(Config, args.config, args.overrides)
+    report = compile_run(config, args.topology, args.chips_per_host, config_path=args.config)
+    print(format_report(report), flush=True)
+    check_fits(report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,9 +285,25 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="folder for the PNGs (default RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
+    ev = sub.add_parser("eval", help="evaluate a saved model on the config's held-out prompts (eval section)")
+    ev.add_argument("config", help="YAML config whose data, eval and rewards sections say what to evaluate on")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.split=test eval.samples=16")
+    ev.add_argument("--model", required=True, help="a Hugging Face model directory, e.g. RUN_DIR/final_model")
+    ev.add_argument("--output", help="write the per-prompt results (JSONL) here instead of stdout")
+    ev.set_defaults(func=cmd_eval)
+
     aud = sub.add_parser("audit", help="check the prompt ledger: every prompt trained once or dropped")
     aud.add_argument("run_dir")
     aud.set_defaults(func=cmd_audit)
+
+    comp = sub.add_parser("compile", help="compile every program of a run for a TPU topology, without a TPU, and "
+                          "report per-device memory, cost and a projected step time")
+    comp.add_argument("config", help="YAML config, e.g. configs/gsm8k_qwen2_5.yaml")
+    comp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model_path=configs/shapes/Qwen2.5-7B-Instruct")
+    comp.add_argument("--topology", required=True, help="a TPU slice: v5e:2x4, v5p:2x2x2, v4:2x2x4, v6e:2x4, ...")
+    comp.add_argument("--chips-per-host", default="", help="e.g. 2x2 (default: libtpu's 4 chips per host, except "
+                      "v5e/v6e slices of up to 8 chips, which are one host)")
+    comp.set_defaults(func=cmd_compile)
     return parser
 
 
@@ -250,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.func(args) or 0
-    except USER_ERRORS as e:
-        print(f"grpo-jax: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    except UserError as e:
+        message = " ".join(line.strip() for line in str(e).splitlines())  # one line, even for YAML's messages
+        print(f"grpo-jax: error: {message}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

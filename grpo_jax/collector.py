@@ -364,13 +364,14 @@ class Collector:
                     weight_version=weight_versions,
                 )
 
-    def mark_dropped(self, ordinal: int, reason: str) -> None:
-        """`ordinal` will never be trained (reward_error, overlong, zero_variance, bad_row, ...)."""
+    def mark_dropped(self, ordinal: int, reason: str, detail: str | None = None) -> None:
+        """`ordinal` will never be trained (reward_error, overlong, zero_variance, bad_row, ...); `detail`, if
+        given, goes into its ledger line (e.g. which field of a bad row is wrong)."""
         with self._lock:
             (ordinal,) = self._accounting.check_new([ordinal], "dropped")
             if ordinal not in self._unfinished and ordinal not in self._finished:
                 raise CollectorStateError(f"mark_dropped({ordinal}): ordinal is {self._status(ordinal)}")
-            self._drop(ordinal, reason)
+            self._drop(ordinal, reason, detail)
 
     def requeue(self, prompt: Prompt) -> None:
         """The group of `prompt` grew too stale and was taken out of the buffer: generate it again. The
@@ -629,13 +630,13 @@ class Collector:
     def _is_known(self, ordinal: int) -> bool:
         return ordinal in self._accounting or ordinal in self._finished or ordinal in self._unfinished
 
-    def _drop(self, ordinal: int, reason: str) -> None:
+    def _drop(self, ordinal: int, reason: str, detail: str | None = None) -> None:
         self._accounting.mark_dropped(ordinal, reason)
         self._unfinished.discard(ordinal)
         self._finished.discard(ordinal)
         if self._ledger is not None:
             epoch, index = self._positions[ordinal]
-            self._ledger.drop(ordinal, dataset_index=index, epoch=epoch, reason=reason)
+            self._ledger.drop(ordinal, dataset_index=index, epoch=epoch, reason=reason, detail=detail)
 
     def _status(self, ordinal: int) -> str:
         if ordinal in self._accounting:

@@ -7,11 +7,14 @@ import dataclasses
 from grpo_jax.checkpoint import CheckpointConfig
 from grpo_jax.data import DataConfig
 from grpo_jax.distributed import DistributedConfig
+from grpo_jax.evaluation import EvalConfig, eval_problems
 from grpo_jax.learner import OptimConfig
+from grpo_jax.lora import LoraConfig
 from grpo_jax.losses import LossConfig
 from grpo_jax.model import ModelConfig
 from grpo_jax.sampler import SamplerConfig
 from grpo_jax.sharding import MeshConfig
+from grpo_jax.wandb_logger import WandbConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +56,18 @@ class TrainerConfig:
     max_steps: int = 100
     buffer_capacity: int = 0  # groups; 0: prompts_per_step * (max_staleness + 2)
     group_timeout_s: float = 600.0  # the learner stops with an error if a step's groups take longer
-    reward_timeout_s: float = 10.0  # per reward call; a slower reward fails its samples
+    reward_timeout_s: float = 10.0  # per handout: samples not scored by then fail (the others keep their scores)
     progress: bool = True
     tensorboard: bool = True
     save_final_model: bool = True  # RUN_DIR/final_model in Hugging Face layout when the run ends
+    # dtype of final_model's weights: "" as the weights came in (model_path's checkpoint dtype, else
+    # model.param_dtype), or float32 / bfloat16.
+    export_dtype: str = ""
     # Several processes: after every step, hash each host's copy of the weights and stop if they differ
     # (costs a host copy and hash of the parameters per step; for tests and first runs on a new cluster).
     check_replicas: bool = False
+    # Weights & Biases, beside metrics.jsonl and TensorBoard; off unless mode is online or offline.
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
         problems = []
@@ -70,6 +78,9 @@ class TrainerConfig:
         for key in ("group_timeout_s", "reward_timeout_s"):
             if not getattr(self, key) > 0:
                 problems.append(f"{key}={getattr(self, key)}: must be > 0")
+        if self.export_dtype not in ("", "float32", "bfloat16"):
+            problems.append(f"export_dtype={self.export_dtype!r}: allowed '' (as the weights came in), float32, "
+                            "bfloat16")
         return problems
 
 
@@ -79,7 +90,8 @@ def _default_rewards() -> list:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Architecture of a model built from scratch; ignored when model_path names a checkpoint.
+    # Architecture of a model built from scratch; with model_path only dtype, param_dtype and remat apply (the
+    # architecture comes from its config.json).
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     # A Hugging Face directory (config.json + safetensors + tokenizer.json) to start from.
     model_path: str = ""
@@ -88,20 +100,25 @@ class Config:
     tokenizer: str = ""
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    # Weighted reward terms: [{name, weight, kwargs, label}], names from grpo_jax.rewards.REWARDS.
+    # Weighted reward terms: [{name, weight, kwargs, label, samples_per_call}]; a name from
+    # grpo_jax.rewards.REWARDS, or a factory of your own by import path "package.module:factory".
     rewards: list = dataclasses.field(default_factory=_default_rewards)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    # LoRA adapters on a frozen base (rank 0: off, every weight trains).
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    # Evaluation on held-out prompts during training (every_steps > 0) and by `grpo-jax eval`.
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     mesh: MeshLayout = dataclasses.field(default_factory=MeshLayout)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     seed: int = 0
     run_dir: str = "runs/default"
 
     def validate(self) -> list[str]:
-        from grpo_jax.rewards import RewardSpec, get_reward
+        from grpo_jax.rewards import RewardNameError, RewardSpec, get_reward
 
         problems = []
         if not self.model_path and self.tokenizer == "":
@@ -117,13 +134,34 @@ class Config:
             try:
                 parsed = RewardSpec.parse(spec)
                 get_reward(parsed.name, **parsed.kwargs)
+            except RewardNameError as e:
+                problems.append(f"rewards[{i}].name={e.name!r}: {e.reason}")
             except (ValueError, TypeError) as e:
                 problems.append(f"rewards[{i}]={spec!r}: {e}")
         if self.loss.aggregation == "seq_mean_token_sum_norm" and self.loss.max_completion_len <= 0:
             problems.append("loss.max_completion_len=0: aggregation seq_mean_token_sum_norm needs the constant "
                             f"normaliser (usually sampler.max_new_tokens={self.sampler.max_new_tokens})")
-        micro = self.optim.micro_batch_size
+        if self.eval.every_steps:
+            problems += eval_problems(self)
+        micro, mini = self.optim.micro_batch_size, self.optim.mini_batches
         rows = self.grpo.prompts_per_step * self.grpo.group_size
-        if micro and rows % micro:
-            problems.append(f"optim.micro_batch_size={micro}: must divide prompts_per_step * group_size = {rows}")
+        if rows % mini:
+            problems.append(f"optim.mini_batches={mini}: must divide grpo.prompts_per_step * grpo.group_size = "
+                            f"{rows} (each update trains an equal share of the rows)")
+        elif micro and (rows // mini) % micro:
+            problems.append(f"optim.micro_batch_size={micro}: must divide the rows of one mini-batch, "
+                            f"prompts_per_step * group_size / mini_batches = {rows // mini}")
         return problems
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what the user wants (logged at the start of a run)."""
+        found = []
+        if self.loss.off_policy == "none" and self.grpo.max_staleness > 0:
+            found.append(f"loss.off_policy=none with grpo.max_staleness={self.grpo.max_staleness}: groups up to "
+                         f"{self.grpo.max_staleness} step(s) old are trained with no correction for the policy "
+                         "that generated them (use off_policy tis or decoupled)")
+        if self.sampler.top_k or self.sampler.top_p < 1:
+            found.append(f"sampler.top_k={self.sampler.top_k} / top_p={self.sampler.top_p}: the learner's policy "
+                         "is the full tempered softmax, so each sampled token's importance weight carries the "
+                         "kept probability mass (< 1) and off-policy weights average below 1")
+        return found

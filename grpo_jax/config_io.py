@@ -15,9 +15,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config problem a user can fix: the message names the key, the value and what is allowed."""
+from grpo_jax.errors import ConfigError  # noqa: F401 - raised here, importable from here
 
 
 def _type_name(tp) -> str:
@@ -143,17 +141,28 @@ def merge_overrides(values: dict, overrides: list[str]) -> dict:
 
 def load_config(cls, path: str | pathlib.Path | None, overrides: list[str] = ()):
     """Build `cls` from a YAML file (or defaults when path is None) with dotted overrides applied."""
-    values: dict = {}
-    if path is not None:
-        path = pathlib.Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    return build_config(cls, read_config_file(path) if path is not None else {}, overrides)
+
+
+def read_config_file(path: str | pathlib.Path) -> dict:
+    """The mapping a YAML config file holds, unchecked."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    return values
+
+
+def build_config(cls, values: dict, overrides: list[str] = ()):
+    """Build `cls` from a mapping shaped like the YAML file, with dotted overrides applied, checked as
+    load_config checks a file."""
     return _build(cls, merge_overrides(values, list(overrides)))
 
 

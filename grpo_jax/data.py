@@ -18,6 +18,9 @@ ordinal on each element and the trainer logs malformed ones as `drop` events wit
     {"dataset_index", "epoch", "row", "prompt_text", "prompt_ids"}                  a usable prompt
     {"dataset_index", "epoch", "bad_row": <reason in BAD_ROW_REASONS>, "detail"}   a malformed row
 
+`row` holds plain JSON values only (json_value: datetimes become ISO strings, Decimals strings, bytes text
+or base64, ...), converted as the row is read, so that a checkpoint holding it can always be written.
+
 prompt_text is the template (plain) or the tokenizer's chat template (chat) applied to the row; prompt_ids
 (np.int32) is tokenizer.encode(prompt_text), without added special tokens, as elsewhere in grpo_jax: a plain
 prompt gets no BOS, a chat template writes its own.
@@ -33,35 +36,37 @@ set_state refuses a state from another dataset/tokenizer/prompt format, shard la
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
+import datetime
+import decimal
 import hashlib
 import json
+import math
 import os
 import string
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import grain
 import numpy as np
 
+from grpo_jax.errors import DataError
 from grpo_jax.tasks import TASKS, make_synthetic_dataset
 
 SOURCES = ("jsonl", "parquet", "tfds", "synthetic")
 PROMPT_FORMATS = ("plain", "chat")
 BAD_ROW_REASONS = ("bad_json", "not_an_object", "missing_field", "bad_field_type", "template_error",
-                   "empty_prompt", "prompt_too_long")
+                   "empty_prompt", "prompt_too_long", "unsupported_value")
 STATE_VERSION = 1
 
 # Threads that read + tokenize ahead in the consuming process. Small: the trainer needs a few prompts per
 # step, and more threads only compete with the host side of JAX for the GIL.
 _READ_THREADS = 2
 _PREFETCH_BUFFER = 64
-
-
-class DataError(ValueError):
-    """A dataset the pipeline cannot use: the message names the file, split or field."""
 
 
 class _RowError(Exception):
@@ -349,6 +354,45 @@ class SyntheticSource:
         return dict(self._identity)
 
 
+def json_value(value: Any, where: str = "row") -> Any:
+    """`value` as plain JSON values, faithfully where JSON allows (the README's Data section lists the forms):
+    datetime, date, time -> ISO 8601 strings; timedelta -> seconds; Decimal, UUID -> their exact strings;
+    bytes -> the text if they are UTF-8, else base64; NaN and infinities -> "NaN", "Infinity", "-Infinity"
+    (float() reads all of these back); numpy scalars and arrays -> Python numbers and lists; tuples ->
+    lists; mapping keys -> strings. Any other type makes the row bad (unsupported_value)."""
+    if isinstance(value, np.datetime64):
+        return str(np.datetime_as_string(value))
+    if isinstance(value, np.timedelta64):
+        return json_value(float(value / np.timedelta64(1, "s")), where)
+    if isinstance(value, np.generic):  # np.float64 is a float and np.str_ a str: make them plain first
+        return json_value(value.item(), where)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value)
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dict):
+        return {str(k): json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, np.ndarray):
+        return json_value(value[()] if value.ndim == 0 else list(value), where)
+    raise _RowError("unsupported_value", f"{where} is a {type(value).__name__}, which has no JSON form")
+
+
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8")
 
@@ -427,10 +471,16 @@ def _picklable(tokenizer):
 
 
 class _ToRecord:
-    """(epoch, dataset_index) -> a prompt record, or a bad_row record for a malformed row."""
+    """(epoch, dataset_index) -> a prompt record, or a bad_row record for a malformed row.
 
-    def __init__(self, source, config: DataConfig, tokenizer):
+    A prompt longer than data.max_prompt_len, or than sampler_max_prompt_len (what the sampler can take; 0:
+    no such limit), is a bad row: it could never be sampled."""
+
+    def __init__(self, source, config: DataConfig, tokenizer, sampler_max_prompt_len: int = 0):
         self.source, self.config, self.tokenizer = source, config, tokenizer
+        self.limit, self.limit_key = config.max_prompt_len, "data.max_prompt_len"
+        if 0 < sampler_max_prompt_len < config.max_prompt_len:
+            self.limit, self.limit_key = sampler_max_prompt_len, "sampler.max_prompt_len"
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -441,12 +491,11 @@ class _ToRecord:
         epoch, index = int(item[0]), int(item[1])
         record = {"dataset_index": index, "epoch": epoch}
         try:
-            row = self.source[index]
+            row = json_value(self.source[index])
             text = self._prompt_text(row)
             ids = self.tokenizer.encode(text)
-            if len(ids) > self.config.max_prompt_len:
-                raise _RowError("prompt_too_long",
-                                f"{len(ids)} tokens > max_prompt_len={self.config.max_prompt_len}")
+            if len(ids) > self.limit:
+                raise _RowError("prompt_too_long", f"{len(ids)} tokens > {self.limit_key}={self.limit}")
         except _RowError as e:
             return {**record, "bad_row": e.reason, "detail": e.detail}
         return {**record, "row": row, "prompt_text": text, "prompt_ids": np.asarray(ids, np.int32)}
@@ -565,8 +614,11 @@ class DataIterator:
             close()
 
 
-def make_data_iterator(config: DataConfig, tokenizer, shard_index: int = 0, shard_count: int = 1) -> DataIterator:
-    """The record stream of shard `shard_index` of `shard_count` (usually jax.process_index()/process_count())."""
+def make_data_iterator(config: DataConfig, tokenizer, shard_index: int = 0, shard_count: int = 1,
+                       sampler_max_prompt_len: int = 0) -> DataIterator:
+    """The record stream of shard `shard_index` of `shard_count` (usually jax.process_index()/process_count()).
+    sampler_max_prompt_len: the sampler's prompt limit, when it is below data.max_prompt_len (longer prompts
+    become bad rows; it does not change the fingerprint: the stream's positions stay the same)."""
     if not 0 <= shard_index < shard_count:
         raise DataError(f"shard_index={shard_index}, shard_count={shard_count}: "
                         "need 0 <= shard_index < shard_count")
@@ -582,7 +634,7 @@ def make_data_iterator(config: DataConfig, tokenizer, shard_index: int = 0, shar
     ds = ds.repeat(config.num_epochs or None)  # None: forever (length sys.maxsize)
     ds = ds.map_with_index(_EpochOf(rows))
     ds = ds[shard_index::shard_count]
-    ds = ds.map(_ToRecord(source, config, tokenizer))
+    ds = ds.map(_ToRecord(source, config, tokenizer, sampler_max_prompt_len))
     it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_PREFETCH_BUFFER))
     if config.worker_count > 0:
         # Grain 0.2.18's mp_prefetch reads an absl flag and fails with UnparsedFlagAccessError outside

@@ -27,8 +27,8 @@ from grpo_jax.model import DTYPES, ModelConfig, Transformer, param_dict
 from grpo_jax.safetensors_io import SafetensorsFile, save_file
 from grpo_jax.tokenizer import Tokenizer, read_json
 
-__all__ = ["CheckpointError", "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model",
-           "save_hf_model"]
+__all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpoint_config",
+           "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model", "save_hf_model"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -40,6 +40,9 @@ _HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_f
 # Default max_position_embeddings of each family in transformers, used when config.json omits it.
 _DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048}
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
+# The ModelConfig fields a run chooses for a loaded checkpoint (the trainer's `model` section with model_path);
+# every other field is architecture and comes from the checkpoint's config.json.
+RUN_SETTINGS = ("dtype", "param_dtype", "remat")
 
 
 # ---- config -------------------------------------------------------------------------------------------
@@ -175,6 +178,24 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def architecture_conflicts(requested: ModelConfig, checkpoint: ModelConfig) -> list[str]:
+    """'key=value (config.json: value)' for each architecture field that `requested` sets to something other
+    than the checkpoint's. A field left at its ModelConfig default counts as not set (a config cannot say
+    otherwise), so only values someone chose are compared; RUN_SETTINGS are never architecture."""
+    default = ModelConfig()
+    conflicts = []
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        value = getattr(requested, name)
+        if name in RUN_SETTINGS or value == getattr(default, name):
+            continue
+        # config.json always names head_dim; ours keeps 0 when it is the implied hidden_size // num_heads.
+        theirs = checkpoint.resolved_head_dim if name == "head_dim" else getattr(checkpoint, name)
+        if value != theirs:
+            conflicts.append(f"{name}={value!r} (config.json: {theirs!r})")
+    return conflicts
+
+
 # ---- tensor layout ------------------------------------------------------------------------------------
 
 
@@ -245,6 +266,13 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory's config.json, without reading any weights. Its dtype and
+    param_dtype are the checkpoint's own: bfloat16, or float32 for anything else (float16 widens exactly)."""
+    path = Path(path)
+    return hf_config_to_model_config(_read_config(path), path / CONFIG_FILE)
+
+
 def _open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], str]:
     """{tensor name: opened file holding it}, and a description of the files searched (for errors)."""
     index_file, single = path / INDEX_FILE, path / WEIGHTS_FILE
@@ -313,10 +341,12 @@ def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched
 
 
 def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype: str | None = None,
-                  mesh=None, rules: dict | None = None) -> tuple[Transformer, Tokenizer | None]:
+                  remat: bool = False, mesh=None, rules: dict | None = None) -> tuple[Transformer, Tokenizer | None]:
     """Load a Qwen2/Llama safetensors checkpoint directory; the tokenizer too when tokenizer.json exists.
 
-    dtype / param_dtype default to the checkpoint's dtype (bfloat16 stays bfloat16, anything else float32).
+    dtype (compute) / param_dtype (the weights held) default to the checkpoint's dtype (bfloat16 stays
+    bfloat16, anything else float32); training wants param_dtype float32 whatever the checkpoint holds, since
+    bfloat16 master weights round most small updates away. remat: recompute each layer in the backward pass.
     With a jax Mesh, each parameter goes straight to its sharded layout (sharding.spec_for with `rules`,
     default sharding.DEFAULT_RULES), so no single device ever holds the whole model.
     Raises CheckpointError, naming file and tensor, for anything unusable; nothing is built before all
@@ -325,11 +355,12 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    cfg = hf_config_to_model_config(_read_config(path), path / CONFIG_FILE)
+    cfg = checkpoint_config(path)
     for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if value is not None and value not in DTYPES:
             raise ValueError(f"{name}={value!r}: allowed {sorted(DTYPES)}")
-    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, param_dtype=param_dtype or cfg.param_dtype)
+    cfg = dataclasses.replace(cfg, dtype=dtype or cfg.dtype, param_dtype=param_dtype or cfg.param_dtype,
+                              remat=remat)
 
     files, searched = _open_weights(path)
     problems = _check_tensors(cfg, files, searched)
@@ -371,14 +402,18 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
 
 
 def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
-                  max_shard_bytes: int | None = None) -> None:
+                  max_shard_bytes: int | None = None, dtype: str | None = None) -> None:
     """Write a checkpoint that transformers' AutoModelForCausalLM.from_pretrained (and load_hf_model) reads.
 
-    Weights are written in the model's param_dtype; with max_shard_bytes they are split into
+    Weights are written in `dtype` ("float32" or "bfloat16"; None: the model's param_dtype, rounded to
+    nearest when narrowing), and config.json names that dtype. With max_shard_bytes they are split into
     model-0000i-of-0000n.safetensors + model.safetensors.index.json (a single shard is written as
     model.safetensors). Old weight files in the directory are removed first so they cannot be mixed in.
     """
-    cfg = model.config
+    dtype = dtype or model.config.param_dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: allowed {sorted(DTYPES)}")
+    cfg = dataclasses.replace(model.config, param_dtype=dtype)  # config.json names the dtype written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     for old in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
@@ -401,7 +436,8 @@ def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokeni
         if entry.ours is None:
             return np.zeros(entry.hf_shape, DTYPES[cfg.param_dtype])
         # device_get one tensor at a time so host memory holds one shard, not the whole model twice.
-        return _to_hf(entry, np.asarray(jax.device_get(params[entry.ours])))
+        array = np.asarray(jax.device_get(params[entry.ours])).astype(DTYPES[cfg.param_dtype], copy=False)
+        return _to_hf(entry, array)
 
     names = [WEIGHTS_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

@@ -1,17 +1,37 @@
-"""The learner: one jitted GRPO update over a batch of finished groups.
+"""The learner: one jitted GRPO learner step over a batch of finished groups.
 
 Parameters and optimizer state are plain pytrees (nnx.split), so the step is a pure function that
 jit compiles once per batch shape, shards by the parameters' layout, and checkpoints without pickling.
 
-Gradient accumulation runs the micro-batches through `lax.scan`, so memory holds one micro-batch of
-activations however large the group. Each micro-batch's loss is weighted by its share of the loss's
-denominator (tokens for token_mean, sequences otherwise), which makes the accumulated gradient equal
-to the whole-batch gradient, not an average of per-micro-batch means.
+A learner step makes `optim.epochs x optim.mini_batches` optimizer updates (PPO mini-batches; GRPO's mu
+is the number of epochs). Mini-batch m holds rows m, m + M, m + 2M, ... of the batch (strided, so each
+one draws an equal share of rows from every data-parallel device), in the same order every epoch.
 
-Old log-probs: the learner takes one optimizer step per batch, so the log-probs of the weights that
-start the step are the forward pass itself under stop_gradient (the ratio is 1 in value, its gradient is
-the policy gradient). The sampler's behaviour log-probs enter through the importance-sampling
-correction of losses.py.
+Old (proximal) log-probs: with one update per step they are the forward pass itself under stop_gradient
+(the ratio is 1 in value, its gradient is the policy gradient). With several updates they are computed
+once, by a forward pass with the weights of the step's first update, before any update: the ratio and
+the clip act from the second update on. The reference model's log-probs (KL penalty) are computed in
+the same pass. The sampler's behaviour log-probs enter through the off-policy correction of losses.py.
+
+Temperature: the sampler draws from softmax(logits / T); the learner's log-probs use the same T, so the
+importance weights compare the same distributions. Top-k / top-p are not applied by the learner: its
+policy is the full tempered softmax, while the sampler's behaviour log-probs are renormalised over the
+kept tokens, so on a sampled token proximal / behaviour = the tempered mass of the kept set (<= 1), and
+the off-policy weight scales each token's gradient by that mass.
+
+Gradient accumulation runs the micro-batches of each update through `lax.scan`, so memory holds one
+micro-batch of activations however large the group. Each micro-batch's loss is weighted by its share of
+the update's loss denominator (tokens for token_mean, sequences otherwise), which makes the accumulated
+gradient equal to the mini-batch's gradient, not an average of per-micro-batch means.
+
+An update whose loss or gradient norm is not finite is skipped (parameters and moments unchanged); the
+step reports which updates were applied, so the trainer can record which groups were really trained.
+
+LoRA (lora.py): the trained parameters are the adapters; the base model's weights enter the step as a
+separate argument that is neither differentiated nor donated, so optimizer moments exist for the
+adapters alone and the base's weight gradients are never computed. The KL reference is that base with
+the adapters off. Adapter dropout applies in the gradient pass only, with a key per update and
+micro-batch.
 """
 
 from __future__ import annotations
@@ -25,6 +45,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax.errors import UserError
+from grpo_jax.lora import merge_adapters
 from grpo_jax.losses import LossConfig, policy_loss
 from grpo_jax.model import Transformer, positions_from_mask
 
@@ -40,8 +62,14 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    micro_batch_size: int = 0  # sequences per micro-batch; 0 = the whole batch at once
-    max_nonfinite_in_row: int = 3  # skipped updates in a row before the run stops
+    micro_batch_size: int = 0  # sequences per micro-batch; 0 = the whole mini-batch at once
+    mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
+    epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
+    max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.mini_batches * self.epochs
 
     def validate(self) -> list[str]:
         problems = []
@@ -50,6 +78,9 @@ class OptimConfig:
         for key in ("warmup_steps", "decay_steps", "micro_batch_size"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 0")
+        for key in ("mini_batches", "epochs"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)}: must be >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if self.weight_decay < 0:
@@ -67,13 +98,16 @@ class OptimConfig:
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
+    """The learning rate as a function of the optimizer's update count. warmup_steps and decay_steps count
+    learner steps, so a step's updates (mini-batches x epochs) all share its rate."""
     warmup = optax.linear_schedule(0.0 if config.warmup_steps else config.lr, config.lr,
                                    max(config.warmup_steps, 1))
     if config.decay_steps:
         decay = optax.cosine_decay_schedule(config.lr, config.decay_steps, alpha=config.min_lr_ratio)
     else:
         decay = optax.constant_schedule(config.lr)
-    return optax.join_schedules([warmup, decay], [config.warmup_steps])
+    by_step = optax.join_schedules([warmup, decay], [config.warmup_steps])
+    return lambda updates: by_step(updates // config.updates_per_step)
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
@@ -108,15 +142,19 @@ class TrainBatch:
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
-                   last: int = 0):
-    """Log-prob of each next token, [B, L-1] (or only the last `last` positions, [B, last]), and optionally
-    the entropy of each next-token distribution."""
+                   last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None):
+    """Log-prob of each next token under softmax(logits / temperature), [B, L-1] (or only the last `last`
+    positions, [B, last]), and optionally the entropy of each next-token distribution. adapters,
+    dropout_key: LoRA on top of the model (Transformer.hidden_states)."""
     positions = positions_from_mask(input_mask)
-    hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1])
+    hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1], adapters=adapters,
+                                    dropout_key=dropout_key)
     targets = tokens[:, 1:]
     if last:
         hidden, targets = hidden[:, -last:], targets[:, -last:]
     logits = model.logits(hidden)  # float32
+    if temperature != 1.0:
+        logits = logits / temperature
     log_norm = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logprobs = target - log_norm
@@ -128,15 +166,22 @@ def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array,
 
 
 def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig) -> jax.Array:
-    """This micro-batch's share of the whole batch's loss denominator (before division by the total)."""
+    """This micro-batch's share of the update's loss denominator (before division by the total)."""
     if loss_config.aggregation == "token_mean":
         return jnp.sum(batch.loss_mask)
     # policy_loss averages over sequences that have at least one token (fully padded rows drop out).
     return jnp.sum(jnp.any(batch.loss_mask > 0, axis=-1)).astype(jnp.float32)
 
 
-def _split_micro(batch, num_micro: int):
-    return jax.tree.map(lambda x: x.reshape(num_micro, x.shape[0] // num_micro, *x.shape[1:]), batch)
+def split_rows(tree, parts: int):
+    """Every leaf [B, ...] -> [parts, B / parts, ...], part p holding rows p, p + parts, ... (strided: a
+    batch sharded by rows keeps each part spread over all its devices, so a scan over parts stays local)."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // parts, parts, *x.shape[1:]), 0, 1), tree)
+
+
+def mini_batch_of_row(row: int, mini_batches: int) -> int:
+    """The mini-batch that holds a batch row (see split_rows)."""
+    return row % mini_batches
 
 
 def _merge_metrics(stacked: dict, weights: jax.Array) -> dict:
@@ -152,137 +197,264 @@ def _merge_metrics(stacked: dict, weights: jax.Array) -> dict:
     return merged
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
-                    micro_batch_size: int, ref_graphdef=None):
-    """A pure step (params, opt_state, batch, ref_params) -> (params, opt_state, metrics), for jax.jit."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Rows:
+    """A batch with the per-token log-probs computed before the step's first update ([B, T] or None)."""
 
-    def micro_loss(params, micro: TrainBatch, ref_logprobs, weight_over_total):
-        model = nnx.merge(graphdef, params)
-        logprobs, entropy = token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=True,
-                                           last=micro.completion_len)
-        loss, metrics = policy_loss(logprobs, jax.lax.stop_gradient(logprobs), micro.scored(micro.behaviour_logprobs),
-                                    ref_logprobs, micro.advantages, micro.scored(micro.loss_mask), loss_config,
+    batch: TrainBatch
+    old_logprobs: jax.Array | None
+    ref_logprobs: jax.Array | None
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
+                    optim_config: OptimConfig, ref_graphdef=None, temperature: float = 1.0, base_graphdef=None):
+    """A pure learner step (params, opt_state, batch, ref_params, frozen, dropout_key) -> (params, opt_state,
+    metrics, applied), for jax.jit: optim.epochs x optim.mini_batches updates; `applied` [updates] says which
+    were finite (update u works on mini-batch u % mini_batches). `temperature` is the sampler's (0, greedy,
+    counts as 1).
+
+    LoRA (base_graphdef given): graphdef and params are the adapters (lora.Adapters), the only thing trained;
+    `frozen` is the base model's state (of base_graphdef), never differentiated, and the KL reference is that
+    base with the adapters off (ref_graphdef and ref_params unused). dropout_key: raw key data (uint32 [2]) for
+    the adapters' dropout in the gradient pass, or None for none.
+    """
+    mini_batches, updates = optim_config.mini_batches, optim_config.updates_per_step
+    micro_batch_size = optim_config.micro_batch_size
+    temperature = temperature or 1.0
+
+    def logprobs_of(gd, params, micro: TrainBatch, frozen=None, with_entropy=False, dropout_key=None):
+        if base_graphdef is None:
+            model, adapters = nnx.merge(gd, params), None
+        else:  # params None: the base alone (the KL reference)
+            model, adapters = nnx.merge(base_graphdef, frozen), None if params is None else nnx.merge(gd, params)
+        return token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=with_entropy,
+                              last=micro.completion_len, temperature=temperature, adapters=adapters,
+                              dropout_key=dropout_key)
+
+    def num_micro(rows: int) -> int:
+        return rows // micro_batch_size if micro_batch_size else 1
+
+    def forward_logprobs(gd, params, batch: TrainBatch, frozen=None) -> jax.Array:
+        """[B, T] log-probs without gradient (and without dropout), one micro-batch of activations at a time."""
+        parts = num_micro(batch.advantages.shape[0])
+        out = jax.lax.map(lambda micro: logprobs_of(gd, params, micro, frozen)[0], split_rows(batch, parts))
+        # Undo split_rows: [parts, B / parts, T] -> [B, T] with row r at (r % parts, r // parts).
+        return jax.lax.stop_gradient(jnp.swapaxes(out, 0, 1).reshape(-1, out.shape[-1]))
+
+    def micro_loss(params, rows: _Rows, weight_over_total, frozen, dropout_key):
+        micro = rows.batch
+        logprobs, entropy = logprobs_of(graphdef, params, micro, frozen, with_entropy=True, dropout_key=dropout_key)
+        old = jax.lax.stop_gradient(logprobs) if rows.old_logprobs is None else rows.old_logprobs
+        loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
+                                    micro.advantages, micro.scored(micro.loss_mask), loss_config,
                                     entropies=entropy)
         return loss * weight_over_total, metrics
 
-    def reference_logprobs(ref_params, micro: TrainBatch):
-        if ref_params is None:
-            return None
-        ref_model = nnx.merge(ref_graphdef, ref_params)
-        return jax.lax.stop_gradient(token_logprobs(ref_model, micro.tokens, micro.input_mask,
-                                                    last=micro.completion_len)[0])
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def step(params, opt_state, batch: TrainBatch, ref_params=None):
-        size = batch.advantages.shape[0]
-        num_micro = size // micro_batch_size if micro_batch_size else 1
-        micros = _split_micro(batch, num_micro)
-        weights = jax.vmap(lambda m: _aggregation_weight(m, loss_config))(micros)
+    def one_update(params, opt_state, rows: _Rows, frozen, dropout_key):
+        parts = num_micro(rows.batch.advantages.shape[0])
+        micros = split_rows(rows, parts)
+        weights = jax.vmap(lambda m: _aggregation_weight(m, loss_config))(micros.batch)
         total = jnp.maximum(jnp.sum(weights), 1.0)
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(grads_sum, inputs):
-            micro, weight = inputs
-            (loss, metrics), grads = grad_fn(params, micro, reference_logprobs(ref_params, micro), weight / total)
+            micro, weight, index = inputs
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+            (loss, metrics), grads = grad_fn(params, micro, weight / total, frozen, key)
             return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        grads, (losses, stacked) = jax.lax.scan(accumulate, zeros, (micros, weights))
+        grads, (losses, stacked) = jax.lax.scan(accumulate, zeros, (micros, weights, jnp.arange(parts)))
         loss = jnp.sum(losses)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        # A non-finite step changes nothing: parameters and optimizer moments stay as they were.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, new_updates)
+        # A non-finite update changes nothing: parameters and optimizer moments stay as they were. The cast
+        # keeps each leaf's dtype (bfloat16 master weights get float32 gradients) through the update loop.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
         metrics = _merge_metrics(stacked, weights)
-        metrics.update(loss=loss, grad_norm=grad_norm, finite=finite)
-        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+        metrics.update(loss=loss, grad_norm=grad_norm)
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics, finite
+
+    def step(params, opt_state, batch: TrainBatch, ref_params=None, frozen=None, dropout_key=None):
+        old = forward_logprobs(graphdef, params, batch, frozen) if updates > 1 else None
+        if base_graphdef is not None:
+            ref = forward_logprobs(graphdef, None, batch, frozen) if loss_config.needs_reference else None
+        else:
+            ref = forward_logprobs(ref_graphdef, ref_params, batch) if ref_params is not None else None
+        minis = split_rows(_Rows(batch, old, ref), mini_batches)
+        key = None if dropout_key is None else jax.random.wrap_key_data(dropout_key)
+
+        def update(carry, u):
+            params, opt_state = carry
+            rows = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, u % mini_batches, keepdims=False), minis)
+            update_key = None if key is None else jax.random.fold_in(key, u)
+            params, opt_state, metrics, finite = one_update(params, opt_state, rows, frozen, update_key)
+            return (params, opt_state), (metrics, finite)
+
+        (params, opt_state), (stacked, applied) = jax.lax.scan(update, (params, opt_state), jnp.arange(updates))
+        # Every update counts equally in the step's metrics (skipped ones included: they show the fault).
+        metrics = _merge_metrics(stacked, jnp.ones(updates))
+        metrics["loss/last"] = stacked["loss"][-1]
+        return params, opt_state, metrics, applied
 
     return step
 
 
-class NonFiniteError(RuntimeError):
-    pass
+class NonFiniteError(UserError, RuntimeError):
+    """Training diverged: too many learner steps in a row had a non-finite loss or gradient. Not a traceback:
+    the run's state is intact up to its last checkpoint, and the message says what to change."""
+
+    exit_code = 3
 
 
 class Learner:
-    """Holds the policy's parameters and optimizer state and applies jitted GRPO steps."""
+    """Holds the policy's trainable parameters and optimizer state and applies jitted GRPO learner steps.
+
+    With LoRA (`adapters`, a lora.Adapters for `model`), `params` are the adapters' and the optimizer's
+    moments exist for them alone; `frozen` holds the model's weights, which no update touches and which
+    also serve as the KL reference (with the adapters off), so `reference_model` is not needed."""
 
     def __init__(self, model: Transformer, optim_config: OptimConfig, loss_config: LossConfig,
-                 reference_model: Transformer | None = None):
-        self.graphdef, self.params = nnx.split(model)
+                 reference_model: Transformer | None = None, temperature: float = 1.0, adapters=None,
+                 dropout_seed: int = 0):
+        self.base_graphdef = self.frozen = None
+        if adapters is None:
+            self.graphdef, self.params = nnx.split(model)
+        else:
+            self.graphdef, self.params = nnx.split(adapters)
+            self.base_graphdef, self.frozen = nnx.split(model)
         self.optim_config = optim_config
         self.loss_config = loss_config
         self.optimizer = make_optimizer(optim_config)
         self.opt_state = self.optimizer.init(self.params)
         self.ref_params = None
         ref_graphdef = None
-        if loss_config.needs_reference:
+        if loss_config.needs_reference and adapters is None:
             if reference_model is None:
                 raise ValueError(f"loss.kl_coef={loss_config.kl_coef}: a KL penalty needs a reference model")
             ref_graphdef, self.ref_params = nnx.split(reference_model)
-        step = make_train_step(self.graphdef, self.optimizer, loss_config, optim_config.micro_batch_size,
-                               ref_graphdef)
-        # Donating the old parameters and moments lets XLA update them in place.
-        self._step = jax.jit(step, donate_argnums=(0, 1))
-        self.steps_done = 0
-        self.nonfinite_in_row = 0
-        self.nonfinite_total = 0
+        # Dropout masks from (seed, optimizer updates done), so a resumed run draws as the original would.
+        self.dropout_base = None
+        if adapters is not None and adapters.config.dropout > 0:
+            self.dropout_base = jax.random.key(dropout_seed)
+        step = make_train_step(self.graphdef, self.optimizer, loss_config, optim_config, ref_graphdef,
+                               temperature=temperature, base_graphdef=self.base_graphdef)
+        self._step_fn, self._jitted_step = step, None
+        self.steps_done = 0  # learner steps with at least one applied update
+        self.updates_done = 0  # applied optimizer updates (the learning-rate schedule's count)
+        self.nonfinite_in_row = 0  # learner steps in a row with a skipped update
+        self.nonfinite_total = 0  # skipped updates in all
+        self.last_finite_loss: float | None = None
+
+    @property
+    def _step(self):
+        """The jitted step, built on first use. Donating the old parameters and moments lets XLA update them
+        in place; their output shardings are pinned to the current ones, because left to XLA the first
+        step can return a leaf sharded differently from how it came in (a replicated vector coming back
+        fsdp-sharded), and the second step would then compile again."""
+        if self._jitted_step is None:
+            def current(x):
+                sharding = getattr(x, "sharding", None)
+                return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+            out = (jax.tree.map(current, self.params), jax.tree.map(current, self.opt_state), None, None)
+            self._jitted_step = jax.jit(self._step_fn, donate_argnums=(0, 1), out_shardings=out)
+        return self._jitted_step
 
     def check_batch(self, batch: TrainBatch) -> None:
         size = batch.advantages.shape[0]
-        micro = self.optim_config.micro_batch_size
-        if micro and size % micro:
-            raise ValueError(f"batch of {size} sequences does not split into micro-batches of "
-                             f"optim.micro_batch_size={micro}")
+        mini, micro = self.optim_config.mini_batches, self.optim_config.micro_batch_size
+        if size % mini or (micro and (size // mini) % micro):
+            raise ValueError(f"batch of {size} sequences does not split into optim.mini_batches={mini} "
+                             f"mini-batches of micro-batches of optim.micro_batch_size={micro}")
 
-    def step(self, batch: TrainBatch) -> dict[str, Any]:
-        """One update; returns host metrics. Stops after optim.max_nonfinite_in_row skipped updates."""
+    def step(self, batch: TrainBatch) -> tuple[dict[str, Any], np.ndarray]:
+        """One learner step; returns host metrics and which updates were applied ([updates] bool; update u
+        trained mini-batch u % mini_batches). The caller decides what a skipped update means for its rows
+        and stops the run via `diverged`."""
         self.check_batch(batch)
-        self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, batch, self.ref_params)
-        # Replicated scalars: read this process's copy (device_get would refuse an array spanning hosts).
+        dropout_key = None
+        if self.dropout_base is not None:  # host data (numpy): fine as an input on every process
+            dropout_key = np.asarray(jax.random.key_data(jax.random.fold_in(self.dropout_base, self.updates_done)))
+        self.params, self.opt_state, metrics, applied = self._step(self.params, self.opt_state, batch,
+                                                                   self.ref_params, self.frozen, dropout_key)
+        # Replicated values: read this process's copy (device_get would refuse an array spanning hosts).
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
-        if metrics.pop("finite") < 0.5:
-            self.nonfinite_in_row += 1
-            self.nonfinite_total += 1
-            if self.nonfinite_in_row >= self.optim_config.max_nonfinite_in_row:
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_row} learner steps in a row had a non-finite loss or gradient "
-                    f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']}); updates were skipped. "
-                    "Lower optim.lr, check the rewards, or raise optim.max_nonfinite_in_row.")
-        else:
-            self.nonfinite_in_row = 0
+        applied = np.asarray(applied.addressable_data(0)).astype(bool)
+        skipped = int((~applied).sum())
+        self.nonfinite_total += skipped
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+        self.updates_done += int(applied.sum())
+        if applied.any():
             self.steps_done += 1
-        metrics["nonfinite_total"] = self.nonfinite_total
-        metrics["lr"] = float(learning_rate_schedule(self.optim_config)(self.steps_done))
-        return metrics
+        if applied[-1]:
+            self.last_finite_loss = metrics["loss/last"]
+        metrics.update({"nonfinite_total": self.nonfinite_total, "updates/applied": int(applied.sum()),
+                        "lr": float(learning_rate_schedule(self.optim_config)(max(self.updates_done - 1, 0)))})
+        return metrics, applied
+
+    def diverged(self, step: int) -> NonFiniteError | None:
+        """The error that ends the run when optim.max_nonfinite_in_row learner steps in a row had a skipped
+        update (None otherwise)."""
+        limit = self.optim_config.max_nonfinite_in_row
+        if self.nonfinite_in_row < limit:
+            return None
+        last = "none yet" if self.last_finite_loss is None else f"{self.last_finite_loss:.6g}"
+        return NonFiniteError(
+            f"learner step {step}: {self.nonfinite_in_row} steps in a row had a non-finite loss or gradient "
+            f"(optim.max_nonfinite_in_row={limit}; last finite loss {last}); their updates were skipped and "
+            "nothing more is saved. Lower optim.lr, check the rewards, or resume from the last checkpoint")
 
     def model(self) -> Transformer:
-        return nnx.merge(self.graphdef, self.params)
+        """The policy as one Transformer: with LoRA a copy of the base with the adapters merged in."""
+        if self.frozen is None:
+            return nnx.merge(self.graphdef, self.params)
+        return merge_adapters(nnx.merge(self.base_graphdef, self.frozen), self.adapters())
+
+    def adapters(self):
+        """The LoRA adapters (lora.Adapters) over the current parameters; None without LoRA."""
+        return None if self.frozen is None else nnx.merge(self.graphdef, self.params)
 
 
-def pack_batch(prompts: list[list[int]], completions: list[list[int]], behaviour_logprobs: list[np.ndarray],
-               advantages: np.ndarray, pad_id: int, prompt_len: int, completion_len: int) -> TrainBatch:
-    """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner."""
-    size = len(prompts)
-    length = prompt_len + completion_len
-    tokens = np.full((size, length), pad_id, np.int32)
-    input_mask = np.zeros((size, length), bool)
+def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fill=0) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged rows laid into a [len(rows), width] array, each at its start (or end, align_right), and the
+    mask of the cells they fill: one boolean-mask assignment, no per-token Python (row-major order of the
+    mask's cells is each row's own order). A row longer than `width` raises ValueError naming it."""
+    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    if (lengths > width).any():
+        row = int(np.argmax(lengths > width))
+        raise ValueError(f"row {row}: {lengths[row]} tokens exceed the bucket of {width}")
+    mask = np.arange(width) < lengths[:, None]
+    if align_right:
+        mask = mask[:, ::-1]
+    out = np.full((len(rows), width), fill, dtype)
+    if lengths.sum():
+        out[mask] = np.concatenate([np.asarray(r, dtype).reshape(-1) for r in rows])
+    return out, mask
+
+
+def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
+               prompt_len: int, completion_len: int) -> TrainBatch:
+    """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
+    sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length."""
+    try:
+        prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
+        completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
+    except ValueError as e:
+        raise ValueError(f"{e} (prompt / completion buckets {prompt_len} / {completion_len})") from None
+    logprobs = [np.asarray(lp, np.float32)[:len(c)] for lp, c in zip(behaviour_logprobs, completions)]
+    behaviour_scored, _ = place_rows(logprobs, completion_len, False, np.float32)
+    size, length = len(prompts), prompt_len + completion_len
+    # Position t scores token t+1: the completion's tokens sit at prompt_len .. prompt_len+n-1, so the scored
+    # positions prompt_len-1 .. are the last completion_len of the L - 1.
     loss_mask = np.zeros((size, length - 1), np.float32)
     behaviour = np.zeros((size, length - 1), np.float32)
-    for i, (prompt, completion, logp) in enumerate(zip(prompts, completions, behaviour_logprobs)):
-        if len(prompt) > prompt_len or len(completion) > completion_len:
-            raise ValueError(f"row {i}: prompt {len(prompt)} / completion {len(completion)} tokens exceed the "
-                             f"bucket {prompt_len} / {completion_len}")
-        start = prompt_len - len(prompt)
-        tokens[i, start:prompt_len] = prompt
-        tokens[i, prompt_len:prompt_len + len(completion)] = completion
-        input_mask[i, start:prompt_len + len(completion)] = True
-        # Position t scores token t+1: the completion's tokens sit at prompt_len .. prompt_len+n-1.
-        loss_mask[i, prompt_len - 1:prompt_len - 1 + len(completion)] = 1.0
-        behaviour[i, prompt_len - 1:prompt_len - 1 + len(completion)] = np.asarray(logp)[:len(completion)]
-    # Position prompt_len - 1 (the last prompt token) scores the first completion token: the scored
-    # positions are the last completion_len of the L - 1.
-    return TrainBatch(tokens=jnp.asarray(tokens), input_mask=jnp.asarray(input_mask),
+    loss_mask[:, prompt_len - 1:] = completion_mask
+    behaviour[:, prompt_len - 1:] = behaviour_scored
+    return TrainBatch(tokens=jnp.asarray(np.concatenate([prompt_ids, completion_ids], axis=1)),
+                      input_mask=jnp.asarray(np.concatenate([prompt_mask, completion_mask], axis=1)),
                       loss_mask=jnp.asarray(loss_mask), advantages=jnp.asarray(advantages, jnp.float32),
                       behaviour_logprobs=jnp.asarray(behaviour), completion_len=completion_len)

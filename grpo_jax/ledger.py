@@ -149,11 +149,16 @@ class Ledger:
             {"step": int(step), "ordinals": ordinals, "dataset_index": dataset_index, "epoch": epoch, "weight_version": weight_version},
         )
 
-    def drop(self, ordinal: int, dataset_index: int, epoch: int, reason: str) -> dict:
-        """A prompt handed out that will not be trained; `reason` is a short stable word (e.g. bad_row)."""
+    def drop(self, ordinal: int, dataset_index: int, epoch: int, reason: str, detail: str | None = None) -> dict:
+        """A prompt handed out that will not be trained; `reason` is a short stable word (e.g. bad_row).
+        `detail` (optional, free text) says more, e.g. "missing_field: no field 'question'"."""
         if not _REASON.match(reason):
             raise ValueError(f"ledger drop reason {reason!r}: use a short lowercase word like 'reward_error'")
-        return self._write("drop", {"ordinal": self._global(ordinal), "dataset_index": int(dataset_index), "epoch": int(epoch), "reason": reason})
+        fields = {"ordinal": self._global(ordinal), "dataset_index": int(dataset_index), "epoch": int(epoch),
+                  "reason": reason}
+        if detail is not None:
+            fields["detail"] = str(detail)
+        return self._write("drop", fields)
 
     def checkpoint(self, step: int, frontier_ordinal: int, covers: dict | None = None) -> dict:
         """Record a committed checkpoint; returns its `covers`. Pass the `covers` taken with the collector

@@ -1,13 +1,21 @@
 """Policy losses: GRPO (token-level clipped surrogate, with DAPO clip-higher, dual clip, Dr. GRPO
-aggregation) and GSPO (sequence-level ratio), plus an optional KL penalty and truncated importance
-sampling (TIS) for the sampler/learner mismatch.
+aggregation) and GSPO (sequence-level ratio), plus an optional KL penalty and an off-policy correction
+for the gap between the sampler's (behaviour) policy and the learner's.
 
 Three kinds of log-probs of the sampled completion tokens, all [B, T]:
   logprobs            learner, current weights (the only input with a gradient)
-  old_logprobs        learner, the weights that generated the batch (in async GRPO, computed by the
-                      learner at train time; ratio = exp(logprobs - old_logprobs))
-  behaviour_logprobs  the sampler's own log-probs at generation (may differ from old_logprobs through
-                      numerics, quantisation or kernels); TIS weight = exp(old - behaviour)
+  old_logprobs        learner, the proximal policy: the weights at the start of the learner step, before
+                      its first update (ratio = exp(logprobs - old_logprobs); the clip acts on it)
+  behaviour_logprobs  the sampler's log-probs at generation: older weights in async training (staleness),
+                      and other numerics or kernels; importance weight w = exp(old - behaviour)
+
+Off-policy corrections (`off_policy`), both clipping the ratio against the proximal policy:
+  "tis"        truncated importance sampling (Yao et al. 2025; verl's TIS): each token's policy loss
+               times min(w, tis_cap).
+  "decoupled"  the decoupled PPO objective of AReaL (Fu et al. 2025): each token's policy loss times w,
+               and tokens whose w exceeds tis_cap are dropped (weight 0) rather than truncated.
+  "none"       no correction (only right when behaviour and proximal policies agree: synchronous
+               training with matched numerics).
 
 `mask` [B, T] marks completion tokens (1) versus padding (0). Padding may hold any values, even
 inf/NaN: it is excluded from the loss, its gradient and every metric.
@@ -23,7 +31,7 @@ import jax.numpy as jnp
 LOSS_TYPES = ("grpo", "gspo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "truncate", "mask")
+OFF_POLICY_MODES = ("none", "tis", "decoupled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +48,10 @@ class LossConfig:
       "seq_mean_token_sum_norm"  mean over sequences of token sum / max_completion_len (Dr. GRPO)
     kl_coef, kl_estimator: adds kl_coef * KL(pi || ref) per token, aggregated the same way;
       k1 = logp - logref, k2 = (logp - logref)^2 / 2, k3 = exp(logref - logp) - (logref - logp) - 1.
-    tis, tis_cap: "truncate" weights each token's policy loss by min(exp(old - behaviour), tis_cap);
-      "mask" uses the weight but zeroes tokens whose weight exceeds tis_cap. The weight is a
-      constant (no gradient) and multiplies the policy term only, not the KL term.
+    off_policy, tis_cap: the correction for behaviour != proximal policy (module docstring): "tis"
+      weights each token's policy loss by min(w, tis_cap); "decoupled" by w, zeroing tokens whose w
+      exceeds tis_cap; "none" ignores the behaviour log-probs. The weight is a constant (no gradient)
+      and multiplies the policy term only, not the KL term.
     """
 
     loss_type: str = "grpo"
@@ -55,7 +64,7 @@ class LossConfig:
     max_completion_len: int = 0  # required for "seq_mean_token_sum_norm"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    tis: str = "off"
+    off_policy: str = "tis"
     tis_cap: float = 2.0
 
     @property
@@ -67,7 +76,7 @@ class LossConfig:
         """Problems with this config, as 'key=value: allowed ...' strings (empty when valid)."""
         p = []
         for key, allowed in (("loss_type", LOSS_TYPES), ("aggregation", AGGREGATIONS),
-                             ("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES)):
+                             ("kl_estimator", KL_ESTIMATORS), ("off_policy", OFF_POLICY_MODES)):
             if getattr(self, key) not in allowed:
                 p.append(f"{key}={getattr(self, key)!r}: allowed {', '.join(allowed)}")
         for key in ("clip_low", "gspo_clip_low"):
@@ -132,13 +141,13 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
     """(loss scalar, metrics dict of scalars).
 
     logprobs, old_logprobs, behaviour_logprobs, ref_logprobs: [B, T] per completion token;
-      behaviour_logprobs may be None when config.tis == "off" (then no mismatch metrics),
+      behaviour_logprobs may be None when config.off_policy == "none" (then no mismatch metrics),
       ref_logprobs may be None when not config.needs_reference.
     advantages: [B], one per sequence. mask: [B, T] bool or float. entropies: optional [B, T].
     Gradients flow only through `logprobs`.
     """
-    if config.tis != "off" and behaviour_logprobs is None:
-        raise ValueError(f"tis={config.tis!r} needs behaviour_logprobs")
+    if config.off_policy != "none" and behaviour_logprobs is None:
+        raise ValueError(f"off_policy={config.off_policy!r} needs behaviour_logprobs")
     if config.needs_reference and ref_logprobs is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs")
     dtype = jnp.result_type(logprobs.dtype, jnp.float32)
@@ -178,9 +187,9 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
                     "tis/frac_capped": _masked_mean(capped, m),
                     # KL(behaviour || old), k3 estimate from the sampler's own samples.
                     "tis/mismatch_kl": _masked_mean(is_w - is_log - 1.0, m)}
-        if config.tis == "truncate":
+        if config.off_policy == "tis":
             pg = pg * jnp.minimum(is_w, config.tis_cap)
-        elif config.tis == "mask":
+        elif config.off_policy == "decoupled":
             pg = pg * jnp.where(capped, 0.0, is_w)
 
     pg_loss = aggregate(pg, mf, config.aggregation, config.max_completion_len)

@@ -1,7 +1,10 @@
-"""Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files under RUN_DIR/tb/, and a progress bar.
+"""Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files under RUN_DIR/tb/, a progress bar and,
+when trainer.wandb asks for it, Weights & Biases (grpo_jax.wandb_logger).
 
-metrics.jsonl is the source of truth (one JSON object per learner step, flushed as written); TensorBoard
-and the progress bar are views of the same numbers.
+metrics.jsonl is the source of truth (one JSON object per learner step, flushed as written); TensorBoard,
+W&B and the progress bar are views of the same numbers. Evaluations (grpo_jax.evaluation) go to
+RUN_DIR/eval.jsonl instead, one line per evaluation: they arrive out of step order (an evaluation of weight
+version k finishes while the learner is past k), and metrics.jsonl stays one line per learner step.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import math
 import pathlib
 
 from tqdm import tqdm
+
+from grpo_jax.wandb_logger import WandbConfig, WandbLogger
 
 REQUIRED_KEYS = ("step", "reward/mean", "loss", "kl", "staleness/mean", "staleness/max", "time/step_s",
                  "tokens_per_s")
@@ -23,17 +28,45 @@ def _plain(value):
     return value
 
 
+def json_line(row: dict) -> str:
+    """`row` as one line of standard JSON (NaN and infinities anywhere in it as null), newline included."""
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return _plain(value)
+
+    return json.dumps(plain(row)) + "\n"
+
+
+def _scalars(metrics: dict) -> dict:
+    """The finite numbers of a metrics row, without `step`: what TensorBoard and W&B plot."""
+    return {k: v for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+
+
 class MetricsWriter:
+    """`wandb` (enabled) also sends each row to Weights & Biases, with `run_config` (the resolved config)
+    at the start and the ledger audit's numbers at close()."""
+
     def __init__(self, run_dir: str | pathlib.Path, total_steps: int, start_step: int = 0,
-                 progress: bool = True, tensorboard: bool = True):
+                 progress: bool = True, tensorboard: bool = True, wandb: WandbConfig | None = None,
+                 run_config: dict | None = None):
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # First, because W&B is the part that may refuse to start (not logged in, no network): nothing is open yet.
+        self._wandb = None
+        if wandb is not None and wandb.enabled:
+            self._wandb = WandbLogger(wandb, self.run_dir, run_config or {})
         self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             # tensorboardX writes standard event files without TensorFlow.
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        self._eval_file = None  # RUN_DIR/eval.jsonl, opened at the first evaluation
+        self._last_step = start_step
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          dynamic_ncols=True, disable=not progress)
 
@@ -41,26 +74,48 @@ class MetricsWriter:
         missing = [k for k in REQUIRED_KEYS if k not in metrics]
         if missing:
             raise KeyError(f"metrics for step {metrics.get('step')} lack {missing}")
-        step = int(metrics["step"])
+        step = self._last_step = int(metrics["step"])
         self._file.write(json.dumps({k: _plain(v) for k, v in metrics.items()}) + "\n")
         self._file.flush()
+        scalars = _scalars(metrics)
         if self._tb is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step)
         self._bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}",
                               stale=f"{metrics['staleness/mean']:.1f}", refresh=False)
         self._bar.update(1)
 
+    def write_eval(self, row: dict) -> None:
+        """One evaluation: a line of RUN_DIR/eval.jsonl, and TensorBoard scalars at row["step"] (the weight
+        version evaluated). W&B takes steps in increasing order only, so there the row is logged at the last
+        learner step written, and eval/weight_version says which weights it measured."""
+        if self._eval_file is None:
+            self._eval_file = open(self.run_dir / "eval.jsonl", "a", encoding="utf-8")
+        self._eval_file.write(json_line(row))
+        self._eval_file.flush()
+        scalars = _scalars(row)
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, int(row["step"]))
+        if self._wandb is not None:
+            self._wandb.log({**scalars, "eval/weight_version": int(row["step"])}, self._last_step)
+
     def close(self) -> None:
         self._bar.close()
         self._file.close()
+        if self._eval_file is not None:
+            self._eval_file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
-def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
-    path = pathlib.Path(run_dir) / "metrics.jsonl"
+def read_metrics(run_dir: str | pathlib.Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl (or of `name`, e.g. eval.jsonl); a torn last line is skipped."""
+    path = pathlib.Path(run_dir) / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a grpo_jax run directory?")
     rows = []

@@ -6,7 +6,8 @@ the Hugging Face conversion is a reshape. Every parameter carries logical axis n
 maps them onto a mesh.
 
 The forward pass takes an optional KV cache so that the sampler (prefill + decode) and the learner
-(full sequences) use the same code.
+(full sequences) use the same code, and optional LoRA adapters (lora.py), kept outside the model so that
+its graph and weights are the same with and without them.
 """
 
 from __future__ import annotations
@@ -163,18 +164,22 @@ class Attention(nnx.Module):
         self.num_groups = h // kv
         self.scale = d ** -0.5
 
-    def __call__(self, x, positions, mask, inv_freq, cache, write_index):
-        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,KV,S,D] or None (then S == T)."""
+    def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
+        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,KV,S,D] or None (then S == T).
+        adapters: this layer's lora.LayerAdapters or None; dropout_key: their dropout (None: none)."""
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])  # [B*T, E]: see MLP.__call__
 
-        def project(w, b):
-            y = jnp.einsum("ne,ehd->nhd", rows, w[...].astype(dtype)).reshape(*x.shape[:2], *w.shape[1:])
+        def project(w, b, name):
+            y = jnp.einsum("ne,ehd->nhd", rows, w[...].astype(dtype))
+            if adapters is not None:
+                y = adapters.apply(name, rows, y, dropout_key)
+            y = y.reshape(*x.shape[:2], *w.shape[1:])
             return y if b is None else y + b[...].astype(dtype)
 
-        q = apply_rope(project(self.q, self.q_bias), positions, inv_freq)
-        k = apply_rope(project(self.k, self.k_bias), positions, inv_freq)
-        v = project(self.v, self.v_bias)
+        q = apply_rope(project(self.q, self.q_bias, "q"), positions, inv_freq)
+        k = apply_rope(project(self.k, self.k_bias, "k"), positions, inv_freq)
+        v = project(self.v, self.v_bias, "v")
         # Keys/values as [B, KV, S, D]: batch dims leading, so the attention dots read the cache in place
         # (a [B, S, KV, D] cache made XLA transpose all of it every decode step).
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
@@ -193,7 +198,10 @@ class Attention(nnx.Module):
         # Output in dot order (bkgtd), then transpose: asking XLA for btkgd directly picked a slow dot.
         out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dtype))
         out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h, d)
-        return jnp.einsum("nhd,hde->ne", out, self.o[...].astype(dtype)).reshape(b, t, -1), cache
+        y = jnp.einsum("nhd,hde->ne", out, self.o[...].astype(dtype))
+        if adapters is not None:
+            y = adapters.apply("o", out, y, dropout_key)
+        return y.reshape(b, t, -1), cache
 
 
 class MLP(nnx.Module):
@@ -204,7 +212,7 @@ class MLP(nnx.Module):
         self.up = _param(rngs, _normal, (e, m), pd, ("embed", "mlp"))
         self.down = _param(rngs, _normal, (m, e), pd, ("mlp", "embed"))
 
-    def __call__(self, x):
+    def __call__(self, x, adapters=None, dropout_key=None):
         dtype = x.dtype
         # Rows flattened to [B*T, E], so each weight gradient contracts one dimension: with [B, T, E]
         # operands (two contracting dims) XLA CPU transposed the [B, T, M] activation gradient into a
@@ -212,7 +220,14 @@ class MLP(nnx.Module):
         rows = x.reshape(-1, x.shape[-1])
         gate = rows @ self.gate[...].astype(dtype)
         up = rows @ self.up[...].astype(dtype)
-        return ((jax.nn.silu(gate) * up) @ self.down[...].astype(dtype)).reshape(x.shape)
+        if adapters is not None:
+            gate = adapters.apply("gate", rows, gate, dropout_key)
+            up = adapters.apply("up", rows, up, dropout_key)
+        hidden = jax.nn.silu(gate) * up
+        down = hidden @ self.down[...].astype(dtype)
+        if adapters is not None:
+            down = adapters.apply("down", hidden, down, dropout_key)
+        return down.reshape(x.shape)
 
 
 class Block(nnx.Module):
@@ -223,10 +238,11 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, positions, mask, inv_freq, cache, write_index):
-        attn_out, cache = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, write_index)
+    def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
+        attn_out, cache = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, write_index, adapters,
+                                    dropout_key)
         x = x + attn_out
-        return x + self.mlp(self.post_attn_norm(x)), cache
+        return x + self.mlp(self.post_attn_norm(x), adapters, dropout_key), cache
 
 
 KVCache = tuple  # per layer: (k, v), each [batch, kv_heads, cache_len, head_dim]
@@ -257,13 +273,16 @@ class Transformer(nnx.Module):
         return tuple((jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype))
                      for _ in range(c.num_layers))
 
-    def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0):
+    def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0,
+                      adapters=None, dropout_key=None):
         """Final-normed hidden states [B, T, E] and the updated cache.
 
         tokens, positions: [B, T] int. key_mask: [B, S] bool, which keys are real tokens (S == T without
         a cache, else the cache length, with this call's tokens already marked). A query at index t (cache
         slot write_index + t) sees key slot s when key_mask[b, s] and s <= write_index + t, so left and
         right padding are both handled by the mask alone.
+        adapters: lora.Adapters applied on top of these weights (None: the model alone); dropout_key: a
+        PRNG key for their dropout (None: no dropout, as in sampling and in passes without gradient).
         """
         x = self.embed[tokens].astype(self.compute_dtype)
         t = tokens.shape[1]
@@ -274,11 +293,21 @@ class Transformer(nnx.Module):
         new_cache = []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
+            layer_adapters = None if adapters is None else adapters.layers[i]
+            layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            args = (x, positions, mask, inv_freq, layer_cache, write_index)
             if self.config.remat:
-                x, layer_cache = nnx.remat(lambda blk, *a: blk(*a))(
-                    layer, x, positions, mask, inv_freq, layer_cache, write_index)
+                # jax.checkpoint over a pure function of the layer's (and its adapters') state: nnx.remat refuses
+                # weights that enter the trace without being differentiated (the frozen base under LoRA).
+                block_def, block_state = nnx.split((layer, layer_adapters))
+
+                def block(state, key, *args, block_def=block_def):
+                    blk, adapters_i = nnx.merge(block_def, state)
+                    return blk(*args, adapters_i, key)
+
+                x, layer_cache = jax.checkpoint(block)(block_state, layer_key, *args)
             else:
-                x, layer_cache = layer(x, positions, mask, inv_freq, layer_cache, write_index)
+                x, layer_cache = layer(*args, layer_adapters, layer_key)
             new_cache.append(layer_cache)
         return self.final_norm(x), (None if cache is None else tuple(new_cache))
 
@@ -294,12 +323,12 @@ class Transformer(nnx.Module):
                          preferred_element_type=jnp.float32)
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
-    def __call__(self, tokens, positions=None, key_mask=None, cache=None, write_index=0):
+    def __call__(self, tokens, positions=None, key_mask=None, cache=None, write_index=0, adapters=None):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if key_mask is None:
             key_mask = jnp.ones(tokens.shape, bool)
-        hidden, cache = self.hidden_states(tokens, positions, key_mask, cache, write_index)
+        hidden, cache = self.hidden_states(tokens, positions, key_mask, cache, write_index, adapters)
         return self.logits(hidden), cache
 
 

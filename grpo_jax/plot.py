@@ -1,4 +1,5 @@
-"""`grpo-jax plot RUN_DIR`: PNGs of reward, KL, completion lengths, staleness and throughput."""
+"""`grpo-jax plot RUN_DIR`: PNGs of reward, KL, completion lengths, staleness and throughput, and of the
+held-out evaluations (eval.png) when the run made any."""
 
 from __future__ import annotations
 
@@ -54,4 +55,30 @@ def plot_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = N
     fig.savefig(out / "staleness.png", dpi=100)
     plt.close(fig)
     written.append(out / "staleness.png")
+    if (pathlib.Path(run_dir) / "eval.jsonl").is_file():
+        written.append(plot_evaluations(read_metrics(run_dir, "eval.jsonl"), out / "eval.png", plt))
     return written
+
+
+def plot_evaluations(rows: list[dict], path: pathlib.Path, plt) -> pathlib.Path:
+    """Correctness (pass@1, mean@k, pass@k) and reward on the held-out prompts, by weight version evaluated."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    steps = np.array([r["step"] for r in rows])
+    n, k = (rows[-1].get("eval/samples"), rows[-1].get("eval/k")) if rows else (None, None)
+    panels = [("Held-out correctness", [("eval/pass@1", "pass@1 (greedy)"), ("eval/mean@k", f"mean@k ({n} samples)"),
+                                        ("eval/pass@k", f"pass@{k}")]),
+              ("Held-out reward", [("eval/reward/greedy", "greedy"), ("eval/reward/mean", "sampled (mean)")])]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, (title, keys) in zip(axes, panels):
+        for key, label in keys:
+            values = np.array([np.nan if r.get(key) is None else r[key] for r in rows], dtype=float)
+            if np.isfinite(values).any():
+                ax.plot(steps, values, marker="o", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("weight version (learner steps)")
+        ax.legend(loc="best", fontsize="small")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

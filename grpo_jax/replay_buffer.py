@@ -37,8 +37,10 @@ ReplayBufferTimeout). Under the admission rule the buffer never holds more than 
 so that is the natural capacity; capacity must be >= prompts_per_step or no step could ever be taken.
 
 close(error): wakes every waiter. With an error (the actor died) put/take raise ReplayBufferClosed from
-it instead of waiting forever. Without one it means "nothing more will be put": take() then hands out
-what is left, possibly fewer than n, with drained=True.
+it instead of waiting forever. Without one it means "the data is exhausted: no new prompts": take() then
+hands out what is left, possibly fewer than n, with drained=True, once nothing is reserved. Groups that
+grow too stale after that are still generated again: reserve() and put() stay open for them (a put
+needs a reservation then), and take() waits for what is reserved.
 
 Serialisation: to_state()/from_state() use plain JSON values only (arrays as {"__ndarray__": dtype,
 shape, data}); nothing is pickled, so loading a checkpoint never runs code. With an ArrayPool the arrays
@@ -52,7 +54,7 @@ import base64
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -113,6 +115,8 @@ class ReplayBuffer:
         self._learner_version = int(learner_version)
         self._closed = False
         self._error: BaseException | None = None
+        # Restored groups that from_state(fits=...) left out, as (ordinal, reason): to be generated again.
+        self.left_out: list[tuple[int, str]] = []
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -144,8 +148,6 @@ class ReplayBuffer:
         release() gives one back (prompt dropped, generation abandoned)."""
         with self._cond:
             self._raise_if_failed()
-            if self._closed:
-                raise ReplayBufferClosed("reserve() on a replay buffer closed for input")
             if not self.may_generate(self._target_step(n), actor_version):
                 return False
             self._reserved += n
@@ -178,8 +180,8 @@ class ReplayBuffer:
         with self._cond:
             while True:
                 self._raise_if_failed()
-                if self._closed:
-                    raise ReplayBufferClosed("put() on a replay buffer closed for input")
+                if self._closed and self._reserved == 0:
+                    raise ReplayBufferClosed("put() without a reservation on a replay buffer closed for input")
                 if group.ordinal in self._groups:
                     raise ValueError(f"put(): a group for ordinal {group.ordinal} is already in the buffer")
                 if len(self._groups) < self.capacity:
@@ -229,6 +231,18 @@ class ReplayBuffer:
                         f"{self._reserved} being generated after {timeout} s"
                     )
 
+    def put_back(self, groups: list[Group], current_version: int) -> None:
+        """Return groups from an abandoned take(n, current_version) (a stop signal came before the learner
+        trained them): they wait again, for a checkpoint to save, and the next step is current_version again.
+        Ignores the capacity: the room was theirs a moment ago."""
+        with self._cond:
+            for group in groups:
+                if group.ordinal in self._groups:
+                    raise ValueError(f"put_back(): a group for ordinal {group.ordinal} is already in the buffer")
+                self._groups[group.ordinal] = group
+            self._learner_version = int(current_version)
+            self._cond.notify_all()
+
     def close(self, error: BaseException | None = None) -> None:
         """No more input; with `error`, the producer failed and every waiter raises ReplayBufferClosed."""
         with self._cond:
@@ -237,6 +251,11 @@ class ReplayBuffer:
             if error is not None and self._error is None:
                 self._error = error
             self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closed
 
     def __len__(self) -> int:
         with self._cond:
@@ -273,10 +292,15 @@ class ReplayBuffer:
     @classmethod
     def from_state(cls, state: dict, capacity: int | None = None, max_staleness: int | None = None,
                    prompts_per_step: int | None = None, pool: "ArrayPool | None" = None,
-                   learner_version: int | None = None) -> "ReplayBuffer":
+                   learner_version: int | None = None,
+                   fits: "Callable[[Group], str | None] | None" = None) -> "ReplayBuffer":
         """A buffer holding the saved groups; the sizes and learner version default to the saved ones (a
-        new config may change them). `pool`: the arrays a state taken with a pool refers to. Raises
-        ValueError if the saved groups do not fit the capacity."""
+        new config may change them). `pool`: the arrays a state taken with a pool refers to.
+
+        With `fits` (a group -> None if it can still be trained, else why not), the groups that do not fit,
+        and beyond the capacity the newest ones, are left out and listed in `left_out` as (ordinal,
+        reason): they are unfinished prompts to generate again, never lost. Without it, saved groups that
+        do not fit the capacity raise ValueError."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"replay buffer state: expected format {STATE_FORMAT!r}")
         buffer = cls(
@@ -285,11 +309,17 @@ class ReplayBuffer:
             prompts_per_step if prompts_per_step is not None else state["prompts_per_step"],
             learner_version=state["learner_version"] if learner_version is None else learner_version,
         )
-        if len(state["groups"]) > buffer.capacity:
+        if fits is None and len(state["groups"]) > buffer.capacity:
             raise ValueError(f"replay buffer state holds {len(state['groups'])} groups, capacity is {buffer.capacity}")
-        for plain in state["groups"]:
-            group = Group(**from_plain(plain, pool))
-            buffer._groups[group.ordinal] = group
+        groups = sorted((Group(**from_plain(plain, pool)) for plain in state["groups"]), key=lambda g: g.ordinal)
+        for group in groups:
+            reason = None if fits is None else fits(group)
+            if reason is None and len(buffer._groups) >= buffer.capacity:
+                reason = f"beyond the buffer's capacity of {buffer.capacity} groups"
+            if reason is None:
+                buffer._groups[group.ordinal] = group
+            else:
+                buffer.left_out.append((group.ordinal, reason))
         return buffer
 
     # -- internals (lock held) -------------------------------------------------------------------

@@ -7,7 +7,9 @@ Design:
   varying prompts compiles a handful of programs. Temperature, top-p and max_new_tokens are runtime
   values; greedy and top-k (lax.top_k needs a static k) select the program.
 - Parameters are an argument of the jitted function (nnx graphdef/state split, merged inside), so
-  `update_params` swaps weights without recompiling.
+  `update_params` swaps weights without recompiling. With LoRA adapters (lora.py) the base weights stay
+  and `update_params` swaps the adapters alone; they are applied unmerged (two thin matmuls per
+  adapted projection), exactly as the learner computes them, and never with dropout.
 - Each row has its own PRNG key and draws one uniform per step from fold_in(key, step): a row's
   completion depends only on its prompt, its key and the weights, not on the rest of the batch.
 - Sampling is exact inverse-CDF sampling on exp(logits - max), done hierarchically (block sums over
@@ -42,6 +44,7 @@ from grpo_jax.model import positions_from_mask
 
 VOCAB_BLOCK = 128  # inverse-CDF block size: ~sqrt(vocab) keeps both levels cheap
 MIN_PHASE_STEPS = 16  # shorter decode phases save less attention than their extra loop costs to compile
+ENGINES = ("static", "continuous")  # SamplerConfig.engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,18 @@ class SamplerConfig:
     # growing KV cache, so that early steps attend over a shorter one (see Sampler._generate_impl):
     # 4 gives ~+3% tokens/s over 1 at 128 new tokens. Each phase is one more decode step to compile.
     decode_phases: int = 4
+    # Which generator the trainer's actor uses: "continuous" (grpo_jax.engine: slots refilled between decode
+    # chunks, one prefill per prompt shared by its samples, groups streamed out as they finish, in-flight
+    # weight updates) or "static" (this module: one batch per handout, run until its longest row ends).
+    engine: str = "static"
+    # Continuous engine only. slots: sequences decoded at once (0: prompts_per_step x group_size in the
+    # trainer, 64 elsewhere), split evenly over decode_streams. chunk_steps: decode steps per device call;
+    # finished slots are refilled and new weights adopted between chunks. inflight_updates: adopt new weights
+    # between chunks, with sequences in flight (each token records the version that produced it); false:
+    # stop starting sequences while new weights wait, and adopt them once the slots have drained.
+    slots: int = 0
+    chunk_steps: int = 16
+    inflight_updates: bool = True
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: what is allowed' strings (empty when valid)."""
@@ -73,9 +88,13 @@ class SamplerConfig:
         if self.top_k < 0:
             problems.append(f"top_k={self.top_k}: must be >= 0 (0 means off)")
         for key in ("max_new_tokens", "max_prompt_len", "min_prompt_bucket", "min_batch_bucket", "decode_streams",
-                    "decode_phases"):
+                    "decode_phases", "chunk_steps"):
             if getattr(self, key) <= 0:
                 problems.append(f"{key}={getattr(self, key)}: must be a positive integer")
+        if self.engine not in ENGINES:
+            problems.append(f"engine={self.engine!r}: allowed {', '.join(ENGINES)}")
+        if self.slots < 0:
+            problems.append(f"slots={self.slots}: must be >= 0 (0 means automatic)")
         return problems
 
 
@@ -212,10 +231,19 @@ def sample_logits(logits, u, temperature, top_p, *, greedy: bool, top_k: int, us
 # ----------------------------------------------------------------------------- the sampler
 
 
+def vocab_major_head(graphdef, state) -> jax.Array:
+    """The LM head as [V, E] in the compute dtype (see the module docstring): the embedding itself when tied,
+    else a transposed copy of lm_head, made once per weight update rather than once per call."""
+    model = nnx.merge(graphdef, state)
+    head = model.embed[...] if model.lm_head is None else model.lm_head[...].T
+    return head.astype(model.compute_dtype)
+
+
 class Sampler:
     """Generates completions for batches of token-id prompts from an NNX Transformer."""
 
-    def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None):
+    def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None,
+                 adapters: nnx.Module | None = None):
         self.config = config or SamplerConfig()
         problems = self.config.validate()
         if problems:
@@ -225,25 +253,30 @@ class Sampler:
         self.vocab_size = model.config.vocab_size
         self.graphdef, self.state = nnx.split(model)
         self._head = self._vocab_major_head(self.state)
+        self.adapter_graphdef, self.adapters = nnx.split(adapters) if adapters is not None else (None, None)
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
         self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
         self._compiled: set = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
                                                            thread_name_prefix="sampler")
 
+    def close(self) -> None:
+        """Stop the decode-stream threads once their current work ends (idempotent)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def update_params(self, model_or_state) -> None:
-        """Swap in new weights (a model or its nnx.State); same structure means no recompile."""
+        """Swap in new trained weights: the model (or its nnx.State), or for a sampler built with LoRA adapters
+        the adapters (or their state), the base weights staying as they are. Same structure: no recompile."""
         if isinstance(model_or_state, nnx.Module):
             _, model_or_state = nnx.split(model_or_state)
+        if self.adapter_graphdef is not None:
+            self.adapters = model_or_state
+            return
         self.state = model_or_state
         self._head = self._vocab_major_head(model_or_state)
 
     def _vocab_major_head(self, state) -> jax.Array:
-        """The LM head as [V, E] in the compute dtype (see the module docstring): the embedding itself when tied,
-        else a transposed copy of lm_head, made once per weight update rather than once per call."""
-        model = nnx.merge(self.graphdef, state)
-        head = model.embed[...] if model.lm_head is None else model.lm_head[...].T
-        return head.astype(model.compute_dtype)
+        return vocab_major_head(self.graphdef, state)
 
     def generate(self, prompts: list[list[int]], keys, *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
@@ -289,7 +322,7 @@ class Sampler:
         static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else top_k,
                       use_top_p=(not greedy) and top_p < 1)
         scalars = (np.int32(max_new), np.float32(temperature or 1.0), np.float32(top_p))
-        state, head = self.state, self._head
+        state, head, adapters = self.state, self._head, self.adapters
 
         def run(rows: np.ndarray):
             tokens = np.full((batch, plen), self.pad_id, np.int32)
@@ -299,7 +332,8 @@ class Sampler:
                 mask[r, plen - lens[i]:] = True
             mask[len(rows):, -1] = True  # dummy rows: one real (pad) token, so no row attends to nothing
             row_keys = keys[np.concatenate([rows, np.full(batch - len(rows), rows[0])])]
-            out = self._generate(state, head, tokens, mask, np.arange(batch) < len(rows), row_keys, *scalars, **static)
+            out = self._generate(state, head, tokens, mask, np.arange(batch) < len(rows), row_keys, *scalars,
+                                 adapters=adapters, **static)
             return [x[:len(rows)] for x in jax.device_get(out)]
 
         key = (batch, plen, tuple(static.items()))
@@ -315,10 +349,11 @@ class Sampler:
             tokens=out_tokens[:, :max_new], logprobs=out_lp[:, :max_new], lengths=lengths,
             finish_reasons=["stop" if s else "length" for s in stopped], prompt_lengths=lens)
 
-    def _generate_impl(self, state, head, tokens, mask, live, keys, max_new, temperature, top_p,
+    def _generate_impl(self, state, head, tokens, mask, live, keys, max_new, temperature, top_p, adapters=None,
                        *, new_bucket, greedy, top_k, use_top_p):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled program
         model = nnx.merge(self.graphdef, state)
+        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         batch, plen = tokens.shape
 
@@ -342,7 +377,8 @@ class Sampler:
             return out_tok, out_lp, length + (~done).astype(jnp.int32), done | hit, stopped | hit
 
         # Prefill into a prompt-sized cache (attention spans the prompt only); the decode phases grow it.
-        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(batch, plen), 0)
+        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(batch, plen), 0,
+                                            adapters=lora)
         prompt_len = mask.sum(-1).astype(jnp.int32)
 
         def logits(h):  # h: [B, E] -> vocab-major [V, B] (see the module docstring)
@@ -364,7 +400,7 @@ class Sampler:
             prev = jax.lax.dynamic_slice_in_dim(out[0], step - 1, 1, axis=1)
             key_mask = jax.lax.dynamic_update_slice(key_mask, jnp.ones((batch, 1), bool), (0, slot))
             positions = (prompt_len + step - 1)[:, None]
-            hidden, cache = model.hidden_states(prev, positions, key_mask, cache, slot)
+            hidden, cache = model.hidden_states(prev, positions, key_mask, cache, slot, adapters=lora)
             tok, lp = sample(logits(hidden[:, 0]), step)
             return step + 1, cache, key_mask, record(out, step, tok, lp)
 

@@ -28,6 +28,7 @@ DEFAULT_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "lora_rank": None,  # LoRA adapters: A [in, rank] and B [rank, out] split like their weight's in / out
 }
 
 

@@ -273,3 +273,20 @@ class Tokenizer:
                                          tools=None, documents=None, **variables, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.source}: chat_template failed: {e}") from e
+
+
+def load_tokenizer(name: str, model_path: str = "") -> Tokenizer:
+    """The tokenizer a config names, for every command (train, init-model): "byte" (byte-level BPE),
+    "synthetic" (char-level over the synthetic tasks' symbols), or a directory holding tokenizer.json;
+    "" means the tokenizer of model_path."""
+    from grpo_jax.errors import ConfigError
+
+    if name == "byte":
+        return Tokenizer.byte_level()
+    if name == "synthetic":
+        from grpo_jax.tasks import SYNTHETIC_ALPHABET
+        return Tokenizer.char_level(SYNTHETIC_ALPHABET)
+    if not name and not model_path:
+        raise ConfigError("tokenizer='': set tokenizer ('byte', 'synthetic' or a directory) when no model_path "
+                          "is given")
+    return Tokenizer.from_dir(name or model_path)

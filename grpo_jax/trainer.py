@@ -2,12 +2,13 @@
 
 Threads and data path:
 
-    Grain iterator -> Collector (ordinals, snapshots) -> actor thread (sampler on the actor mesh,
-    rewards, advantages) -> ReplayBuffer (finished groups + weight version) -> learner loop (main
-    thread, learner mesh) -> new weights resharded onto the actor mesh.
+    Grain iterator -> Collector (ordinals, snapshots) -> actor thread (grpo_jax.actor: sampler on the
+    actor mesh, rewards, advantages) -> ReplayBuffer (finished groups + weight version) -> learner loop
+    (main thread, learner mesh) -> new weights resharded onto the actor mesh.
 
-The learner's weight version is the number of updates applied. A group generated with version v and
-trained at step k (version k before the update) has staleness k - v <= grpo.max_staleness; the buffer's
+The weight version is the number of learner steps done (each of optim.mini_batches x optim.epochs
+updates). A group generated with version v and trained at step k (version k before the step) has
+staleness k - v <= grpo.max_staleness; the buffer's
 admission rule keeps the actor from generating groups that could not be trained within the bound, and
 a group that grows too stale anyway is generated again (never silently evicted). max_staleness 0 is
 synchronous, on-policy GRPO through the same code.
@@ -36,27 +37,29 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.advantages import group_advantages
-from grpo_jax.checkpoint import Checkpoints, Restored
+from grpo_jax.actor import Actor
+from grpo_jax.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
-from grpo_jax.config_io import ConfigError, save_config
+from grpo_jax.config_io import ConfigError, config_to_dict, save_config
 from grpo_jax.data import DataError, make_data_iterator
 from grpo_jax.distributed import HostAgreement, by_process
-from grpo_jax.errors import CheckpointError
-from grpo_jax.learner import Learner, pack_batch
+from grpo_jax.errors import CheckpointError, TrainerError
+from grpo_jax.evaluation import EvalDuringTraining, Evaluator, held_out_records
+from grpo_jax.learner import Learner, mini_batch_of_row, pack_batch
+from grpo_jax.lora import base_identity, init_adapters, save_peft_adapter
 from grpo_jax.ledger import Ledger, global_ordinal, ledger_file
 from grpo_jax.metrics import MetricsWriter
 from grpo_jax.model import Transformer, create_model
 from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.rewards import RewardSuite
-from grpo_jax.sampler import Sampler
+from grpo_jax.run_lock import RunDirLock
+from grpo_jax.engine import make_generator
 from grpo_jax.sharding import batch_sharding, make_mesh, shard_module, state_shardings
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("grpo_jax.trainer")
 
@@ -65,26 +68,25 @@ logger = logging.getLogger("grpo_jax.trainer")
 EXIT_PREEMPTED = 75
 
 
-class TrainerError(RuntimeError):
-    """The run cannot go on (the actor died, no groups arrive); the message says what was waited for."""
-
-
 # ------------------------------------------------------------------------------------------ set-up
-
-
-def load_tokenizer(config: Config) -> Tokenizer:
-    if config.tokenizer == "byte":
-        return Tokenizer.byte_level()
-    if config.tokenizer == "synthetic":
-        from grpo_jax.tasks import SYNTHETIC_ALPHABET
-        return Tokenizer.char_level(SYNTHETIC_ALPHABET)
-    return Tokenizer.from_dir(config.tokenizer or config.model_path)
 
 
 def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
     if config.model_path:
-        from grpo_jax.hf import load_hf_model
-        model, _ = load_hf_model(config.model_path, dtype=config.model.dtype)
+        # The architecture comes from the checkpoint's config.json; the model section only chooses how to run
+        # it (RUN_SETTINGS). Master weights in model.param_dtype whatever the checkpoint holds: bfloat16
+        # weights and AdamW moments would round most updates at a small lr to nothing.
+        from grpo_jax.hf import RUN_SETTINGS, architecture_conflicts, checkpoint_config, load_hf_model
+        conflicts = architecture_conflicts(config.model, checkpoint_config(config.model_path))
+        if conflicts:
+            raise ConfigError(f"model.{', model.'.join(conflicts)}: with model_path the architecture comes from "
+                              f"{config.model_path}/config.json; remove these keys from the model section (only "
+                              f"{', '.join('model.' + key for key in RUN_SETTINGS)} apply to a checkpoint)")
+        model, _ = load_hf_model(config.model_path, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                                 remat=config.model.remat)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ConfigError(f"tokenizer={config.tokenizer!r}: {tokenizer.vocab_size} tokens, more than the "
+                              f"vocab_size {model.config.vocab_size} of {config.model_path}/config.json")
         return model
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size={config.model.vocab_size}: must be at least the tokenizer's "
@@ -109,24 +111,19 @@ def split_devices(config: Config) -> tuple[list, list]:
     return local[:n], [d for host in by_process(jax.devices()) for d in host[n:]]
 
 
-def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Array:
-    """A group's sampling key depends only on the run's base key, its ordinal and its regeneration count,
-    never on thread timing or on which other prompts share its batch (so a resumed run draws the same)."""
-    return jax.random.fold_in(jax.random.fold_in(base_key, ordinal), regenerations)
-
-
-def weights_copy(state, shardings, replicate=None):
+def weights_copy(state, shardings, replicate=None, may_alias=False):
     """The learner's weights placed on the actor's layout, as a separate copy: the learner donates its
-    buffers to the next step, so the actor must never hold the same ones.
+    buffers to the next step, so the actor must never hold the same ones (may_alias: weights that are
+    never donated, the frozen LoRA base, may share the learner's buffers where both layouts agree).
 
     Several processes: `replicate` (jitted on the learner mesh) first gathers the full weights onto every
     learner device, then each host copies its local replica onto its own actor devices. (JAX cannot
     reshard between two device sets across processes; the gather needs one full copy of the parameters
     per learner device for a moment.)"""
     if replicate is None:
-        return jax.device_put(state, shardings, may_alias=False)
+        return jax.device_put(state, shardings, may_alias=may_alias)
     local_copy = jax.tree.map(lambda x: x.addressable_data(0), replicate(state))
-    return jax.device_put(local_copy, shardings, may_alias=False)
+    return jax.device_put(local_copy, shardings, may_alias=may_alias)
 
 
 def replica_digest(state) -> int:
@@ -140,195 +137,41 @@ def replica_digest(state) -> int:
 
 def pack_process_state(own: dict, arrays: dict[str, np.ndarray]) -> np.ndarray:
     """One process's collector + buffer state as bytes (an .npz: JSON bytes plus plain arrays; loading it
-    with allow_pickle=False never runs code)."""
+    with allow_pickle=False never runs code), followed by their SHA-256 (checkpoint.seal_bytes)."""
     out = io.BytesIO()
     np.savez(out, __json__=np.frombuffer(json.dumps(own).encode("utf-8"), np.uint8), **arrays)
-    return np.frombuffer(out.getvalue(), np.uint8)
+    return seal_bytes(np.frombuffer(out.getvalue(), np.uint8))
 
 
-def unpack_process_state(data: np.ndarray) -> tuple[dict, dict[str, np.ndarray]]:
+def unpack_process_state(data: np.ndarray, sealed: bool) -> tuple[dict, dict[str, np.ndarray]]:
+    """pack_process_state() undone; DamagedStep when the bytes are not what was written (sealed: False for a
+    checkpoint from before the checksum, read unchecked)."""
+    if sealed:
+        data = unseal_bytes(data, "this process's saved collector/buffer bytes")
     try:
         with np.load(io.BytesIO(data.tobytes()), allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
         own = json.loads(arrays.pop("__json__").tobytes().decode("utf-8"))
     except (ValueError, OSError, KeyError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"this process's saved collector/buffer state is unreadable: {e}") from e
+        raise DamagedStep(f"this process's saved collector/buffer state is unreadable: {e}") from e
     return own, arrays
-
-
-# ------------------------------------------------------------------------------------------ actor
-
-
-class Actor:
-    """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
-
-    def __init__(self, config: Config, sampler: Sampler, tokenizer: Tokenizer, collector: Collector,
-                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0):
-        self.config = config
-        self.base_key = base_key
-        self.sampler = sampler
-        self.tokenizer = tokenizer
-        self.collector = collector
-        self.buffer = buffer
-        self.rewards = rewards
-        self._version = version
-        self._pending: tuple[Any, int] | None = None  # (state, version) pushed by the learner
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self.error: BaseException | None = None
-        self.generated_tokens = 0
-        self.generate_seconds = 0.0
-        self.failed_samples = 0
-        self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
-
-    # -- called from the learner thread --
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def push_weights(self, state, version: int) -> None:
-        with self._cond:
-            self._pending = (state, version)
-            self._cond.notify_all()
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    # -- the thread --
-
-    def _adopt_pending_weights(self) -> None:
-        with self._cond:
-            if self._pending is not None:
-                state, self._version = self._pending
-                self._pending = None
-                self.sampler.update_params(state)
-
-    def _wait_for_newer_weights(self) -> None:
-        with self._cond:
-            if self._pending is None and not self._stop.is_set():
-                self._cond.wait(timeout=0.5)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._adopt_pending_weights()
-                prompts = self.collector.take_requeued()
-                if not prompts and self.collector.exhausted:
-                    break
-                room = self.buffer.admissible(self._version, self.config.trainer.max_steps)
-                if room == 0:
-                    # Either every remaining step is covered, or more would break the staleness bound
-                    # until the learner moves on; both clear when new weights arrive.
-                    if prompts:
-                        self._requeue_back(prompts)
-                    self._wait_for_newer_weights()
-                    continue
-                if prompts:
-                    self._requeue_back(prompts[room:])
-                    prompts = prompts[:room]
-                    self.buffer.reserve(len(prompts), self._version)
-                else:
-                    size = min(room, self.collector.handout_size)
-                    self.buffer.reserve(size, self._version)
-                    prompts = self.collector.handout(size)
-                    if size > len(prompts):
-                        self.buffer.release(size - len(prompts))
-                self._process(prompts)
-            if self.collector.exhausted and not self._stop.is_set():
-                self.buffer.close()  # no more input: the learner trains what is left, then ends
-        except BaseException as e:  # noqa: BLE001 - any failure must reach the learner, not vanish
-            self.error = e
-            logger.exception("actor thread failed")
-            self.buffer.close(error=e)
-
-    def _requeue_back(self, prompts: list[Prompt]) -> None:
-        for prompt in prompts:
-            self.collector.requeue(prompt)
-
-    def _process(self, prompts: list[Prompt]) -> None:
-        good = []
-        for prompt in prompts:
-            if prompt.bad_row:
-                self.collector.mark_dropped(prompt.ordinal, "bad_row")
-                self.buffer.release(1)
-            else:
-                good.append(prompt)
-        if not good:
-            return
-        cfg = self.config.grpo
-        g = cfg.group_size
-        version = self._version
-        # Keys from the global ordinal (with several processes the collector counts this process's own).
-        n, index = jax.process_count(), jax.process_index()
-        keys = jnp.stack([jax.random.split(group_key(self.base_key, global_ordinal(p.ordinal, index, n),
-                                                     p.record.get("regenerations", 0)), g)
-                          for p in good]).reshape(-1)
-        prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
-        start = time.perf_counter()
-        result = self.sampler.generate(prompt_ids, keys)
-        self.generate_seconds += time.perf_counter() - start
-        if self._stop.is_set():
-            return  # abandoned: these prompts stay unfinished and the run's end accounts for them
-        lengths = result.lengths
-        self.generated_tokens += int(lengths.sum())
-        texts = [self.tokenizer.decode(result.tokens[i, :lengths[i]]) for i in range(len(prompt_ids))]
-        records = [p.record["row"] for p in good for _ in range(g)]
-        scored = self.rewards.score(records, texts, [int(n) for n in lengths])
-        self.failed_samples += scored.num_failed
-        for error in scored.errors[:3]:
-            logger.warning("reward: %s", error)
-        rewards = scored.rewards.reshape(len(good), g)
-        valid = ~scored.failed.reshape(len(good), g)
-        overlong = np.array([r == "length" for r in result.finish_reasons]).reshape(len(good), g)
-        advantages, zero_var = group_advantages(rewards, valid=valid, baseline=cfg.baseline,
-                                                scale_by_std=cfg.scale_by_std)
-        advantages, zero_var = np.asarray(advantages), np.asarray(zero_var)
-        for i, prompt in enumerate(good):
-            rows = slice(i * g, (i + 1) * g)
-            reason = None
-            if valid[i].sum() < 2:
-                reason = "reward_error"
-            elif overlong[i].all():
-                reason = "overlong"
-            elif cfg.filter_zero_variance and zero_var[i]:
-                reason = "zero_variance"
-            if reason:
-                self.collector.mark_dropped(prompt.ordinal, reason)
-                self.buffer.release(1)
-                continue
-            group = Group(
-                ordinal=prompt.ordinal, prompt=prompt.record,
-                completions=[result.tokens[j, :lengths[j]].astype(np.int32) for j in range(rows.start, rows.stop)],
-                behaviour_logprobs=[result.logprobs[j, :lengths[j]].astype(np.float32)
-                                    for j in range(rows.start, rows.stop)],
-                rewards=rewards[i].astype(np.float32), weight_version=version,
-                regenerations=int(prompt.record.get("regenerations", 0)),
-                extras={"advantages": advantages[i].astype(np.float32), "valid": valid[i],
-                        "zero_variance": bool(zero_var[i])})
-            self.collector.mark_finished(prompt.ordinal)
-            self.buffer.put(group)
 
 
 # ------------------------------------------------------------------------------------------ trainer
 
 
 def group_rows(groups: list[Group], group_size: int):
-    """Flatten groups into learner rows: prompts, completions, behaviour log-probs, advantages."""
-    prompts, completions, logprobs, advantages = [], [], [], []
+    """Flatten groups into learner rows: prompts, completions, behaviour log-probs (lists of arrays, one per
+    row; a group's prompt array is shared by its rows) and advantages [rows]. No per-token Python."""
+    prompts, completions, logprobs = [], [], []
     for group in groups:
-        ids = [int(t) for t in group.prompt["prompt_ids"]]
-        for j in range(group_size):
-            prompts.append(ids)
-            completions.append([int(t) for t in group.completions[j]])
-            logprobs.append(np.asarray(group.behaviour_logprobs[j]))
-            advantages.append(float(group.extras["advantages"][j]))
-    return prompts, completions, logprobs, np.asarray(advantages, np.float32)
+        ids = np.asarray(group.prompt["prompt_ids"], np.int32)
+        prompts += [ids] * group_size
+        completions += [np.asarray(c, np.int32) for c in group.completions[:group_size]]
+        logprobs += [np.asarray(lp, np.float32) for lp in group.behaviour_logprobs[:group_size]]
+    advantages = np.concatenate([np.asarray(g.extras["advantages"], np.float32)[:group_size] for g in groups]
+                                ) if groups else np.zeros(0, np.float32)
+    return prompts, completions, logprobs, advantages
 
 
 class StopSignals:
@@ -368,13 +211,27 @@ class StopSignals:
 
 class Trainer:
     def __init__(self, config: Config, run_dir: str | pathlib.Path | None = None):
+        try:
+            self._start(config, run_dir)
+        except BaseException:
+            try:
+                self.close()  # a refused start leaves no Grain worker, thread, open file or lock behind
+            except Exception:  # noqa: BLE001 - the start-up error is the one to report
+                logger.exception("while closing after a failed start")
+            raise
+
+    def _start(self, config: Config, run_dir: str | pathlib.Path | None) -> None:
         self.config = config
         self.run_dir = pathlib.Path(run_dir or config.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.processes, self.process_index = jax.process_count(), jax.process_index()
+        # Creates the run directory; refuses one that another `grpo-jax train` holds or that cannot be written.
+        self.run_lock = RunDirLock(self.run_dir, self.process_index)
+        self.run_lock.acquire()
         if self.process_index == 0:
             save_config(config, self.run_dir / "config.yaml")
-        self.tokenizer = load_tokenizer(config)
+            for warning in config.warnings():
+                logger.warning("config: %s", warning)
+        self.tokenizer = load_tokenizer(config.tokenizer, config.model_path)
         if config.grpo.prompts_per_step % self.processes:
             raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
                               f"{self.processes} JAX processes (each trains its share of every step)")
@@ -397,10 +254,15 @@ class Trainer:
                     "over its share of those devices")
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
-        reference = None
-        if config.loss.needs_reference:
+        reference, adapters = None, None
+        if config.lora.enabled:
+            # Only the adapters train; the frozen base is also the KL reference (no second copy of the weights).
+            adapters = shard_module(init_adapters(policy.config, config.lora, config.seed), self.learner_mesh)
+            self.base_identity = base_identity(config.model_path, policy.config, config.seed)
+        elif config.loss.needs_reference:
             reference = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
-        self.learner = Learner(policy, config.optim, config.loss, reference_model=reference)
+        self.learner = Learner(policy, config.optim, config.loss, reference_model=reference,
+                               temperature=config.sampler.temperature, adapters=adapters, dropout_seed=config.seed)
         self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
         self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
         self.agreement = HostAgreement(learner_devices)
@@ -412,18 +274,28 @@ class Trainer:
 
         # Each JAX process reads its own shard of the stream (one process here; several on a pod).
         self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=self.process_index,
-                                           shard_count=self.processes)
+                                           shard_count=self.processes,
+                                           sampler_max_prompt_len=config.sampler.max_prompt_len)
+        # Held-out prompts (process 0 evaluates), read now so that a bad eval source stops the start early.
+        self.evaluation: EvalDuringTraining | None = None
+        eval_records = None
+        if config.eval.every_steps and self.process_index == 0:
+            eval_records = held_out_records(config, self.tokenizer)
         grpo = config.grpo
+        # One fixed learner shape for the run (no recompiles): the data marks prompts over either limit bad_row.
+        self.prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
+        self.completion_bucket = config.sampler.max_new_tokens
         self.buffer_capacity = config.trainer.buffer_capacity or self.local_prompts * (grpo.max_staleness + 2)
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
         self.resumed_from: int | None = None
-        restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable)
+        restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable,
+                                                open_own_state=self._open_own_state, agree=self.agreement.gather)
         self.preempted = False
         self.already_done = restored is not None and restored.step >= config.trainer.max_steps
         if self.already_done:
             # Nothing to train: leave the ledger (and the finished run's audit) exactly as it is.
             self.version = self.resumed_from = restored.step
-            self.checkpoints.close()
+            self.close()
             return
         if restored is None:
             self._start_fresh()
@@ -433,17 +305,51 @@ class Trainer:
         self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
         actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings,
                                                                     self._replicate))
-        self.sampler = Sampler(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
-                               config=config.sampler)
+        actor_adapters = None
+        if self.learner.frozen is not None:  # LoRA: the actor's own copy of the base, once; syncs bring adapters
+            frozen = self.learner.frozen
+            actor_adapters, actor_model = actor_model, nnx.merge(self.learner.base_graphdef, weights_copy(
+                frozen, state_shardings(frozen, self.actor_mesh), self._replicate, may_alias=True))
+        # sampler.engine: the continuous Engine (slots default: one step's samples) or the static Sampler.
+        self.sampler = make_generator(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
+                                      config=config.sampler, adapters=actor_adapters,
+                                      slots=self.local_prompts * grpo.group_size, version=self.version)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards,
                            self.base_key, version=self.version)
-        # One fixed learner shape for the run (no recompiles): no prompt can be longer than both limits,
-        # since the data marks longer ones bad_row and the sampler refuses them.
-        self.prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
-        self.completion_bucket = config.sampler.max_new_tokens
+        if eval_records is not None:
+            # Its own reward suite, so eval timeouts stay out of the training reward metrics.
+            evaluator = Evaluator(config, self.tokenizer, eval_records,
+                                  RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s),
+                                  batch_rows=self.local_prompts * grpo.group_size)
+            self.evaluation = EvalDuringTraining(evaluator, self.actor, self.sampler)
         self.stop_signals = StopSignals()
         self._frontier_of_save: dict[int, tuple[int, dict | None]] = {}
+
+    def close(self) -> None:
+        """Release what the trainer opened: checkpoint manager, ledger file, sampler threads, data iterator
+        (Grain threads and worker processes) and the run-directory lock. Idempotent; train() calls it at the
+        end, __init__ when start-up fails."""
+        try:
+            for name in ("checkpoints", "ledger", "sampler", "iterator"):
+                resource = getattr(self, name, None)
+                if resource is not None:
+                    resource.close()
+        finally:
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()
+
+    def nothing_trained_error(self) -> TrainerError | None:
+        """For a run that ended without a step: an error when it dropped every prompt it handed out (e.g. every
+        row of a finite dataset is bad), so that such a run does not end as if it had succeeded."""
+        counts = self.collector.counts()
+        if counts["trained"] or not counts["dropped"]:
+            return None
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(counts["dropped"].items()))
+        first = f"; first bad row: {self.actor.first_bad_row}" if self.actor.first_bad_row else ""
+        return TrainerError(f"nothing was trained: every one of the {sum(counts['dropped'].values())} prompts handed "
+                            f"out was dropped ({reasons}){first}; the drop lines of "
+                            f"{self.run_dir / ledger_file(self.process_index, self.processes)} say why for each")
 
     # -- start and resume ----------------------------------------------------------------------------
 
@@ -495,16 +401,40 @@ class Trainer:
                                                       sharding=self.agreement.row_sharding)
         return state
 
+    def _open_own_state(self, restored: Restored) -> None:
+        """Several processes: this process's collector and buffer are its row of the restored `processes`
+        array (load_latest calls this, so that a row off its checksum sets the step aside on every process)."""
+        if "processes" not in restored.state:
+            return
+        length = restored.meta["process_state_bytes"][self.process_index]
+        row = np.asarray(restored.state["processes"].addressable_data(0))[0, :length]
+        restored.collector, restored.buffer_arrays = unpack_process_state(
+            row, sealed=restored.meta.get("process_state_sealed", False))
+
     def _resume_facts(self) -> dict:
         """What a checkpoint records and a resume must match (besides the tensor layout)."""
+        lora = self.config.lora
+        # The adapters only mean something on the base and with the scale they were trained with (dropout may change).
+        adapters = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
+                    "base": self.base_identity} if lora.enabled else None
         return {"data_fingerprint": self.iterator.fingerprint, "worker_count": self.config.data.worker_count,
-                "process_count": self.processes, "group_size": self.config.grpo.group_size}
+                "process_count": self.processes, "group_size": self.config.grpo.group_size, "lora": adapters}
 
     def _check_resumable(self, meta: dict) -> None:
         """Refuse, with the reason, a checkpoint this config cannot resume exactly (see Checkpoints)."""
         facts, step = meta.get("facts", {}), meta["step"]
         where = f"checkpoint step {step} in {self.checkpoints.directory}"
         now = self._resume_facts()
+        if facts.get("lora") != now["lora"]:
+            def described(lora):
+                if lora is None:
+                    return "without LoRA (every weight trained)"
+                return (f"with LoRA rank={lora['rank']} alpha={lora['alpha']} targets={lora['targets']} on base "
+                        f"{lora['base']}")
+            raise CheckpointError(
+                f"{where} was trained {described(facts.get('lora'))}; this config has {described(now['lora'])} "
+                f"(model_path={self.config.model_path!r}): resume with the lora section and base model the run "
+                "was started with, or start a new run directory")
         if facts.get("data_fingerprint") != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change:
             raise CheckpointError(
                 f"{where} was written for another dataset, tokenizer, prompt format or shuffle (data fingerprint "
@@ -533,11 +463,9 @@ class Trainer:
         self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
         # Placed like a fresh key (default device): keys derived from it go to the actor's jit.
         self.base_key = jax.random.wrap_key_data(np.asarray(state["rng"].addressable_data(0)))
-        if "processes" in state:  # several processes: this process's collector and buffer are its row
-            length = meta["process_state_bytes"][self.process_index]
-            restored.collector, restored.buffer_arrays = unpack_process_state(
-                np.asarray(state["processes"].addressable_data(0))[0, :length])
         self.learner.steps_done = int(meta["learner"]["steps_done"])
+        # Before mini-batches every step was one update.
+        self.learner.updates_done = int(meta["learner"].get("updates_done", self.learner.steps_done))
         self.learner.nonfinite_total = int(meta["learner"]["nonfinite_total"])
         self.version = step
         self.resumed_from = step
@@ -558,7 +486,12 @@ class Trainer:
             grpo = self.config.grpo
             self.buffer = ReplayBuffer.from_state(
                 restored.collector["buffer"], self.buffer_capacity, grpo.max_staleness, self.local_prompts,
-                pool=ArrayPool(restored.buffer_arrays), learner_version=step)
+                pool=ArrayPool(restored.buffer_arrays), learner_version=step, fits=self._group_fits)
+            if self.buffer.left_out:
+                ordinal, reason = self.buffer.left_out[0]
+                logger.warning("%d restored group(s) no longer fit this config and will be generated again "
+                               "(first: ordinal %d, %s)", len(self.buffer.left_out),
+                               global_ordinal(ordinal, self.process_index, self.processes), reason)
         else:
             self.buffer = self._new_buffer(step)
         try:
@@ -571,6 +504,17 @@ class Trainer:
         logger.info("resumed from checkpoint step %d: frontier ordinal %d, %d group(s) restored into the buffer, "
                     "the data stream goes back to ordinal %d", step, global_ordinal(self.collector.frontier, *where),
                     len(self.buffer), global_ordinal(saved_collector["resume_base_ordinal"], *where))
+
+    def _group_fits(self, group: Group) -> str | None:
+        """Why a restored group cannot be trained under this config (None: it can). A config may lower the
+        token limits between runs; such a group is generated again, never dropped."""
+        if len(group.prompt["prompt_ids"]) > self.prompt_bucket:
+            return (f"its prompt has {len(group.prompt['prompt_ids'])} tokens, over the prompt limit "
+                    f"{self.prompt_bucket} (data.max_prompt_len / sampler.max_prompt_len)")
+        longest = max(len(c) for c in group.completions)
+        if longest > self.completion_bucket:
+            return f"a completion has {longest} tokens, over sampler.max_new_tokens={self.completion_bucket}"
+        return None
 
     def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
         """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,
@@ -599,7 +543,8 @@ class Trainer:
         buffer_state = self.buffer.to_state(pool)
         collector_state = self.collector.checkpoint_state(buffer_state["ordinals"])
         meta = {"facts": self._resume_facts(), "weight_version": self.version,
-                "learner": {"steps_done": self.learner.steps_done, "nonfinite_total": self.learner.nonfinite_total},
+                "learner": {"steps_done": self.learner.steps_done, "updates_done": self.learner.updates_done,
+                            "nonfinite_total": self.learner.nonfinite_total},
                 "frontier_ordinal": collector_state["frontier_ordinal"],
                 # All processes' groups (meta is written by process 0 only), for the group-size check.
                 "buffered_groups": int(self.agreement.gather([len(buffer_state["ordinals"])]).sum())}
@@ -609,6 +554,7 @@ class Trainer:
             # Orbax writes JSON from the primary process only: each process's collector and buffer go
             # into row p of one global array instead (an .npz of JSON bytes and the buffer's arrays).
             state["processes"], meta["process_state_bytes"] = self.agreement.rows(pack_process_state(own, arrays))
+            meta["process_state_sealed"] = True
             own, arrays = {"per_process": True}, ArrayPool().arrays()
         self.checkpoints.save(self.version, state, arrays, own, meta)
         self._frontier_of_save[self.version] = (collector_state["frontier_ordinal"], collector_state["ledger_covers"])
@@ -621,37 +567,77 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------
 
+    # How often processes waiting for a step's groups agree on whether to stop: a stop signal on any process
+    # abandons the step on all of them within about this long (see _take_step_groups).
+    STOP_ROUND_S = 0.5
+
     def _take_step_groups(self, step: int) -> list[Group] | None:
-        """Block until a full step of groups is there (requeueing any that grew too stale). None: a stop
-        signal came while waiting (the step is abandoned)."""
-        timeout = self.config.trainer.group_timeout_s
-        deadline = time.monotonic() + timeout
+        """Block until a full step of groups is there (requeueing any that grew too stale); [] when the data
+        is exhausted. None: a stop signal came while waiting, and the step is abandoned (groups already taken
+        go back into the buffer, so the checkpoint holds them).
+
+        Several processes wait in lockstep rounds of about STOP_ROUND_S, each ending with one small gather
+        ("stop?", "have my groups?"): a signal on any process abandons the step on all of them together, and
+        a process that has its groups waits for the others' instead of starting the collective step."""
+        deadline = time.monotonic() + self.config.trainer.group_timeout_s
+        groups = None
         while True:
-            if self.stop_signals.received is not None and self.processes == 1:
-                return None  # several processes agree on stopping at the step's end instead (_train_loop)
-            try:
-                # Short waits, so a stop signal is seen within half a second.
-                taken = self.buffer.take(self.local_prompts, self.version,
-                                         timeout=max(min(deadline - time.monotonic(), 0.5), 0.01))
-            except ReplayBufferClosed as e:
-                raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
-                                   f"{e.__cause__!r}") from e.__cause__
-            except ReplayBufferTimeout:
-                if time.monotonic() < deadline:
-                    continue
-                counts = self.collector.counts()
-                raise TrainerError(
-                    f"no full step of {self.local_prompts} groups arrived within "
-                    f"trainer.group_timeout_s={timeout}s for step {step} (buffer holds {len(self.buffer.ordinals())}, "
-                    f"actor alive: {self.actor.is_alive()}, unfinished prompts: {counts['unfinished']}, "
-                    f"trained: {counts['trained']}, dropped: {counts['dropped']})") from None
-            for group in taken.too_stale:
-                record = dict(group.prompt, regenerations=group.regenerations + 1)
-                self.collector.requeue(Prompt(group.ordinal, record))
-            if taken.groups and (len(taken.groups) == self.local_prompts or taken.drained):
-                return taken.groups
-            if taken.drained:
-                return []
+            if self.evaluation is not None and self.evaluation.pending:
+                # The actor is evaluating, not generating: the wait for groups counts from its return.
+                deadline = time.monotonic() + self.config.trainer.group_timeout_s
+            if groups is None:
+                groups = self._try_take_groups(step, deadline)
+            stop, all_ready = self.stop_signals.received is not None, groups is not None
+            if self.processes > 1:
+                agreed = self.agreement.gather([stop, groups is not None])
+                stop, all_ready = bool(agreed[:, 0].any()), bool(agreed[:, 1].all())
+                if stop and self.stop_signals.received is None:
+                    self.stop_signals.stop()  # another process was signalled: stop here with it
+            if stop:
+                if groups:
+                    self.buffer.put_back(groups, self.version)
+                return None
+            if all_ready:
+                return groups
+            if groups is not None:
+                time.sleep(self.STOP_ROUND_S / 10)  # ready: wait for the other processes' next round
+
+    def _try_take_groups(self, step: int, deadline: float) -> list[Group] | None:
+        """One wait of at most STOP_ROUND_S for this process's groups of the step: the groups (a full step,
+        or what is left at the end of the data, possibly []), or None if they are not there yet."""
+        timeout = self.config.trainer.group_timeout_s
+        try:
+            taken = self.buffer.take(self.local_prompts, self.version,
+                                     timeout=max(min(deadline - time.monotonic(), self.STOP_ROUND_S), 0.01))
+        except ReplayBufferClosed as e:
+            raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
+                               f"{e.__cause__!r}") from e.__cause__
+        except ReplayBufferTimeout:
+            if time.monotonic() < deadline:
+                return None
+            counts = self.collector.counts()
+            raise TrainerError(
+                f"no full step of {self.local_prompts} groups arrived within "
+                f"trainer.group_timeout_s={timeout}s for step {step} (buffer holds {len(self.buffer.ordinals())}, "
+                f"actor alive: {self.actor.is_alive()}, unfinished prompts: {counts['unfinished']}, "
+                f"trained: {counts['trained']}, dropped: {counts['dropped']})") from None
+        for group in taken.too_stale:
+            record = dict(group.prompt, regenerations=group.regenerations + 1)
+            self.collector.requeue(Prompt(group.ordinal, record))
+        if taken.groups and (len(taken.groups) == self.local_prompts or taken.drained):
+            return taken.groups
+        if not taken.drained:
+            return None
+        unfinished = self.collector.counts()["unfinished"]
+        if not unfinished:
+            return []
+        # The data is exhausted but groups are being generated again (they grew too stale).
+        if time.monotonic() >= deadline:
+            raise TrainerError(f"the data is exhausted and {unfinished} prompt(s) being generated again did not "
+                               f"arrive within trainer.group_timeout_s={timeout}s for step {step} "
+                               f"(actor alive: {self.actor.is_alive()})")
+        time.sleep(0.05)
+        return None
 
     def _sync_weights(self) -> dict:
         start = time.perf_counter()
@@ -679,41 +665,80 @@ class Trainer:
             return []
         writer = None
         if self.process_index == 0:  # one metrics file per run (it reports process 0's groups)
-            writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
-                                   progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard)
+            try:
+                writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
+                                       progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard,
+                                       wandb=cfg.trainer.wandb, run_config=config_to_dict(cfg))
+            except BaseException:
+                self.close()  # e.g. W&B refused to start: release the run directory's lock and the data workers
+                raise
         history = []
         completed = False
-        with self.stop_signals:
-            try:
-                self.actor.start()
-                history = self._train_loop(writer)
-                completed = not self.preempted
-                if self.preempted or (cfg.checkpoint.save_at_end and history):
-                    if self.checkpoints.last_saved_step != self.version:
-                        self.save_checkpoint()
+        try:
+            with self.stop_signals:
+                try:
+                    if self.evaluation is not None and self.version == 0:
+                        self.evaluation.request(0)  # the baseline, before the actor generates anything
+                    self.actor.start()
+                    history = self._train_loop(writer)
+                    if self.preempted or (cfg.checkpoint.save_at_end and history):
+                        if self.checkpoints.last_saved_step != self.version:
+                            self.save_checkpoint()
+                        self._record_commits(self.checkpoints.wait())
+                    # Only now: a failed final save leaves the leftovers to the resume, not to run_ended drops.
+                    completed = not self.preempted
+                    if completed and self.evaluation is not None:
+                        self._finish_evaluations(writer)
+                finally:
+                    if self.evaluation is not None:
+                        self.evaluation.cancel()  # a stop or an error does not wait for an evaluation
+                    self.actor.stop()
+                    # Saves already started still commit and get their ledger line, even after an error.
                     self._record_commits(self.checkpoints.wait())
-            finally:
-                self.actor.stop()
-                # Saves already started still commit and get their ledger line, even after an error.
-                self._record_commits(self.checkpoints.wait())
-                if completed:
-                    self._account_leftovers()
-                if writer is not None:
-                    writer.close()
-                self.ledger.close()
-                self.checkpoints.close()
-        if self.preempted:
-            logger.warning("stopped by %s after step %d; checkpoint step %d is committed: run the same command "
-                           "to resume", signal.Signals(self.stop_signals.received).name, self.version, self.version)
-        if self.actor.error is not None and not history:
-            raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
-        if completed and history and cfg.trainer.save_final_model and self.process_index == 0:
-            # Hugging Face layout, so `grpo-jax generate --model RUN_DIR/final_model` and transformers load it.
-            # From the actor's copy: it holds the final weights whole on this host, even across processes.
-            from grpo_jax.hf import save_hf_model
-            save_hf_model(nnx.merge(self.learner.graphdef, self.sampler.state), self.run_dir / "final_model",
-                          tokenizer=self.tokenizer)
+                    if completed:
+                        self._account_leftovers()
+                    if writer is not None:
+                        if self.evaluation is not None:
+                            self._write_evaluations(writer)  # those finished before a stop too
+                        writer.close()
+            if self.preempted:
+                logger.warning("stopped by %s after step %d; checkpoint step %d is committed: run the same command "
+                               "to resume", signal.Signals(self.stop_signals.received).name, self.version, self.version)
+            if self.actor.error is not None and not history:
+                raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
+            if completed and not history:
+                error = self.nothing_trained_error()
+                if error is not None:
+                    raise error
+            if completed and history and cfg.trainer.save_final_model:
+                self._export_final_model()
+        finally:
+            self.close()  # after the export: the run directory stays locked until final_model/ is written
         return history
+
+    def _export_final_model(self) -> None:
+        """RUN_DIR/final_model in Hugging Face layout, so `grpo-jax generate --model RUN_DIR/final_model` and
+        transformers load it; from the learner's parameters (the actor's copy can lag them by a step). With
+        LoRA, final_model is the base with the adapters merged in, and RUN_DIR/final_adapter the adapters alone
+        in PEFT's format (for peft.PeftModel.from_pretrained on the base)."""
+        cfg = self.config
+        model, adapters = self.learner.model(), self.learner.adapters()
+        if self._replicate is not None:
+            # Sharded across hosts: every process joins the gather onto each learner device, then process 0
+            # writes its local copy.
+            def local_copy(module):
+                graphdef, state = nnx.split(module)
+                return nnx.merge(graphdef, jax.tree.map(lambda x: x.addressable_data(0), self._replicate(state)))
+            model = local_copy(model)
+            adapters = None if adapters is None else local_copy(adapters)
+        if self.process_index == 0:
+            from grpo_jax.hf import checkpoint_config, save_hf_model
+            # Default: the dtype the weights came in (the checkpoint's, or param_dtype from scratch).
+            export_dtype = cfg.trainer.export_dtype or (
+                checkpoint_config(cfg.model_path).param_dtype if cfg.model_path else cfg.model.param_dtype)
+            save_hf_model(model, self.run_dir / "final_model", tokenizer=self.tokenizer, dtype=export_dtype)
+            if adapters is not None:
+                save_peft_adapter(adapters, model.config, self.run_dir / "final_adapter", base_model_path=cfg.model_path)
 
     def _train_loop(self, writer: MetricsWriter) -> list[dict]:
         cfg = self.config
@@ -725,7 +750,7 @@ class Trainer:
             groups = self._take_step_groups(step)
             if groups is None:
                 self.preempted = True
-                break  # stop signal while waiting (one process): abandon this step
+                break  # a stop signal while waiting (on any process): every process abandons this step
             # Several processes: train while any still has groups (the others pad with empty rows).
             if not self.agreement.gather([len(groups)]).any():
                 logger.info("data exhausted after %d steps", step)
@@ -752,10 +777,28 @@ class Trainer:
             last = now
             if writer is not None:
                 writer.write(metrics)
+            if self.evaluation is not None:
+                if self.version % cfg.eval.every_steps == 0:
+                    self.evaluation.request(self.version)
+                self._write_evaluations(writer)
             history.append(metrics)
             if stop:
                 break
         return history
+
+    def _finish_evaluations(self, writer: MetricsWriter) -> None:
+        """At the end of a completed run: evaluate the final weights too, and wait for the evaluations still to
+        run (the actor is idle by now)."""
+        if self.version % self.config.eval.every_steps:
+            self.evaluation.request(self.version)
+        if not self.evaluation.wait(self.config.trainer.group_timeout_s):
+            logger.warning("evaluations still running after trainer.group_timeout_s=%ss at the end of the run: "
+                           "abandoned", self.config.trainer.group_timeout_s)
+        self._write_evaluations(writer)
+
+    def _write_evaluations(self, writer: MetricsWriter) -> None:
+        for row in self.evaluation.finished():
+            writer.write_eval(row)
 
     def _learn(self, groups: list[Group], step: int) -> dict:
         g = self.config.grpo.group_size
@@ -763,8 +806,8 @@ class Trainer:
         full = self.local_prompts * g
         if len(prompts) < full:  # the last step of a finite dataset: pad with rows that train nothing
             missing = full - len(prompts)
-            prompts += [prompts[0] if prompts else [self.tokenizer.pad_id]] * missing
-            completions += [[]] * missing
+            prompts += [prompts[0] if prompts else np.full(1, self.tokenizer.pad_id, np.int32)] * missing
+            completions += [np.zeros(0, np.int32)] * missing
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
@@ -773,12 +816,20 @@ class Trainer:
             sharding = batch_sharding(self.learner_mesh)
             batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
         learn_start = time.perf_counter()
-        metrics = self.learner.step(batch)
+        metrics, applied = self.learner.step(batch)
         learn_seconds = time.perf_counter() - learn_start
         self.version += 1
+        trained = self._groups_trained(len(groups), applied)
+        for grp, ok in zip(groups, trained):
+            if not ok:  # none of its updates was applied: it trained nothing, so it is not recorded as trained
+                self.collector.mark_dropped(grp.ordinal, "nonfinite_update")
+        groups = [grp for grp, ok in zip(groups, trained) if ok]
         ordinals = [grp.ordinal for grp in groups]
         versions = [grp.weight_version for grp in groups]
         self.collector.mark_trained(ordinals, step=self.version, weight_versions=versions)
+        diverged = self.learner.diverged(self.version)
+        if diverged is not None:
+            raise diverged
         metrics.update(self._sync_weights())
         staleness = [step - v for v in versions] or [0]
         if groups:
@@ -798,7 +849,18 @@ class Trainer:
             "actor/tokens_per_s": self.actor.generated_tokens / max(self.actor.generate_seconds, 1e-9),
             "_tokens": int(lengths.sum() + sum(len(grp.prompt["prompt_ids"]) for grp in groups) * g),
         })
+        metrics.update(self.rewards.metrics())  # reward/timed_out_samples, reward/stuck_threads
+        metrics.update(self.actor.metrics(groups))  # version spread in groups, engine occupancy, tokens/s per device
         return metrics
+
+    def _groups_trained(self, num_groups: int, applied: np.ndarray) -> list[bool]:
+        """Per group of this process: whether at least one update over its rows was applied. Row r of
+        this process is global row P * rows_per_process + r; update u trains mini-batch u % mini_batches."""
+        mini_batches, g = self.config.optim.mini_batches, self.config.grpo.group_size
+        applied_minis = {u % mini_batches for u in np.flatnonzero(applied)}
+        first_row = self.process_index * self.local_prompts * g
+        return [any(mini_batch_of_row(first_row + row, mini_batches) in applied_minis
+                    for row in range(i * g, (i + 1) * g)) for i in range(num_groups)]
 
     def _account_leftovers(self) -> None:
         """Prompts handed out but not trained when the run stops are dropped with reason run_ended, so the

@@ -223,7 +223,7 @@ def test_a_failed_background_save_is_reported_not_lost(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoints._manager, "save", disk_full)
     small_save(checkpoints, 1)
-    with pytest.raises(CheckpointError, match="saving a checkpoint in .* failed: OSError.*No space left"):
+    with pytest.raises(CheckpointError, match="checkpoint step 1 could not be written to .*: No space left on device"):
         checkpoints.wait()
     assert checkpoints.steps() == []
 

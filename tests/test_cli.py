@@ -95,3 +95,26 @@ def test_overrides_may_follow_options(capsys):
     assert "unknown config key 'optim.learning_rate'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", TINY, "--run-dir", "x", "--bogus"])
+
+
+def test_the_readme_init_model_command_works_with_the_shipped_config(tmp_path, capsys):
+    """`grpo-jax init-model configs/tiny_cpu.yaml --out DIR`, the config unchanged (tokenizer: synthetic)."""
+    from grpo_jax.hf import load_hf_model
+    from grpo_jax.tokenizer import load_tokenizer
+
+    out = tmp_path / "m"
+    assert main(["init-model", TINY, "--out", str(out)]) == 0, capsys.readouterr().err
+    model, tokenizer = load_hf_model(out)
+    assert model.config.vocab_size == 32
+    synthetic = load_tokenizer("synthetic")  # the trainer's tokenizer for this config, saved beside the model
+    assert tokenizer.vocab_size == synthetic.vocab_size
+    assert tokenizer.encode("copy: 12=") == synthetic.encode("copy: 12=")
+
+
+def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"hello\ncaf\xe9\n")
+    code = main(["generate", "--model", str(tmp_path / "unused"), "--prompts", str(prompts), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USER_ERROR and err == [f"grpo-jax: error: {prompts}:2: not UTF-8 text (byte offset 9); save "
+                                               "the file as UTF-8"], err

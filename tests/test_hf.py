@@ -18,7 +18,8 @@ import transformers
 from flax import nnx
 
 from grpo_jax.errors import CheckpointError
-from grpo_jax.hf import hf_config_to_model_config, load_hf_model, model_config_to_hf_config, save_hf_model
+from grpo_jax.hf import (architecture_conflicts, checkpoint_config, hf_config_to_model_config, load_hf_model,
+                         model_config_to_hf_config, save_hf_model)
 from grpo_jax.model import ModelConfig, Transformer, param_dict, positions_from_mask
 from grpo_jax.safetensors_io import SafetensorsFile, load_file, save_file
 from grpo_jax.tokenizer import Tokenizer
@@ -182,6 +183,76 @@ def test_export_sharded_and_bfloat16(loaded, tmp_path):
     assert hf.dtype == torch.bfloat16
     back, tok3 = load_hf_model(tmp_path / "bf16")
     assert tok3 is None and back.config.param_dtype == "bfloat16"
+
+
+def _weight_dtypes(path) -> set[str]:
+    """The dtypes in every safetensors header of a checkpoint directory (e.g. {"BF16"})."""
+    return {info["dtype"] for file in path.glob("*.safetensors")
+            for name, info in _header(file).items() if name != "__metadata__"}
+
+
+def test_save_dtype_argument_writes_that_dtype(loaded, tmp_path):
+    model, tok = loaded["qwen2_untied"]  # float32 weights
+    save_hf_model(model, tmp_path / "bf16", tokenizer=tok, max_shard_bytes=40_000, dtype="bfloat16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16" and _weight_dtypes(tmp_path / "bf16") == {"BF16"}
+    half, _ = load_hf_model(tmp_path / "bf16")
+    assert half.config.param_dtype == "bfloat16"
+    for key, value in param_dict(model).items():  # rounded to nearest, as a cast on device would
+        np.testing.assert_array_equal(np.asarray(param_dict(half)[key]),
+                                      np.asarray(value).astype(ml_dtypes.bfloat16), err_msg=key)
+
+    save_hf_model(half, tmp_path / "f32", dtype="float32")  # widening is exact
+    config = json.loads((tmp_path / "f32" / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "float32" and _weight_dtypes(tmp_path / "f32") == {"F32"}
+    wide, _ = load_hf_model(tmp_path / "f32")
+    for key, value in param_dict(half).items():
+        np.testing.assert_array_equal(np.asarray(param_dict(wide)[key]), np.asarray(value).astype(np.float32))
+    with pytest.raises(ValueError, match=r"dtype='float16': allowed \['bfloat16', 'float32'\]"):
+        save_hf_model(model, tmp_path / "f16", dtype="float16")
+
+
+def test_bfloat16_checkpoint_trains_in_float32_with_bfloat16_compute(loaded, tmp_path):
+    """A bfloat16 checkpoint loaded with param_dtype float32 holds float32 weights (its exact values) and
+    computes in bfloat16: the layout the trainer wants for a Qwen2.5 or Llama 3 checkpoint."""
+    model, tok = loaded["qwen2_tied"]
+    save_hf_model(model, tmp_path, tokenizer=tok, dtype="bfloat16")
+    assert checkpoint_config(tmp_path).param_dtype == "bfloat16"
+    train, _ = load_hf_model(tmp_path, dtype="bfloat16", param_dtype="float32")
+    assert (train.config.dtype, train.config.param_dtype) == ("bfloat16", "float32")
+    for key, value in param_dict(train).items():
+        assert value.dtype == jnp.float32, key
+        expected = np.asarray(param_dict(model)[key]).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(value), expected, err_msg=key)
+    tokens, mask = _batch("right")
+    hidden, _ = nnx.jit(lambda m, t, k: m.hidden_states(t, positions_from_mask(k), k))(train, tokens, mask)
+    assert hidden.dtype == jnp.bfloat16
+    assert _forward_fn(train)(tokens, mask).dtype == np.float32  # logits accumulate in float32
+
+
+def test_remat_is_honoured(checkpoints):
+    path = checkpoints["qwen2_tied"][1]
+    tokens = jnp.zeros((1, 4), jnp.int32)
+
+    def gradient_program(model) -> str:
+        graphdef, params = nnx.split(model)
+        return str(jax.make_jaxpr(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens)[0].sum()))(params))
+
+    plain, _ = load_hf_model(path)
+    remat, _ = load_hf_model(path, remat=True)
+    assert remat.config.remat and not plain.config.remat
+    # The backward pass recomputes each layer (jax.checkpoint shows as a remat equation) only when asked.
+    assert gradient_program(remat).count("remat") == remat.config.num_layers
+    assert "remat" not in gradient_program(plain)
+
+
+def test_architecture_conflicts_name_only_keys_set_to_other_values():
+    checkpoint = ModelConfig(vocab_size=VOCAB, hidden_size=96, num_heads=6, num_kv_heads=2, qkv_bias=True)
+    assert architecture_conflicts(ModelConfig(), checkpoint) == []  # defaults count as not set
+    run = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", remat=True, head_dim=16, vocab_size=VOCAB)
+    assert architecture_conflicts(run, checkpoint) == []  # run settings; head_dim 16 is the implied one
+    assert architecture_conflicts(ModelConfig(hidden_size=128, num_heads=6), checkpoint) == \
+        ["hidden_size=128 (config.json: 96)"]
 
 
 def _random_model(cfg: ModelConfig, seed: int = 0):

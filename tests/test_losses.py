@@ -63,10 +63,10 @@ def reference(b, cfg: LossConfig):
             if cfg.dual_clip is not None and A < 0:
                 obj = max(obj, cfg.dual_clip * A)
             loss = -obj
-            w = math.exp(old[i, t] - beh[i, t])
-            if cfg.tis == "truncate":
+            w = math.exp(old[i, t] - beh[i, t])  # proximal / behaviour
+            if cfg.off_policy == "tis":  # Yao et al.: truncate the weight at the cap
                 loss *= min(w, cfg.tis_cap)
-            elif cfg.tis == "mask":
+            elif cfg.off_policy == "decoupled":  # AReaL: behaviour weight, tokens above the cap dropped
                 loss *= w if w <= cfg.tis_cap else 0.0
             pg[i, t] = loss
             d = ref[i, t] - logp[i, t]  # log(ref / pi)
@@ -98,15 +98,15 @@ def call(b, cfg, fn=policy_loss, dtype=jnp.float32):
 
 
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-MATRIX = list(itertools.product(("grpo", "gspo"), AGGS, (None, 2.5), ("off", "truncate", "mask"),
+MATRIX = list(itertools.product(("grpo", "gspo"), AGGS, (None, 2.5), ("none", "tis", "decoupled"),
                                 (0.0, "k1", "k2", "k3")))
 
 
-def config_for(loss_type, agg, dual, tis, kl):
+def config_for(loss_type, agg, dual, off_policy, kl):
     return LossConfig(loss_type=loss_type, clip_low=0.2, clip_high=0.28, dual_clip=dual,
                       gspo_clip_low=0.1, gspo_clip_high=0.15, aggregation=agg, max_completion_len=T + 3,
                       kl_coef=0.0 if kl == 0.0 else 0.05, kl_estimator="k3" if kl == 0.0 else kl,
-                      tis=tis, tis_cap=1.5)
+                      off_policy=off_policy, tis_cap=1.5)
 
 
 @pytest.mark.parametrize("seed,case", list(enumerate(MATRIX)), ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x))
@@ -121,7 +121,7 @@ def test_loss_matches_numpy_reference(seed, case):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
 def test_metrics_match_numpy(loss_type):
-    cfg = config_for(loss_type, "token_mean", 2.5, "truncate", "k2")
+    cfg = config_for(loss_type, "token_mean", 2.5, "tis", "k2")
     b = make_batch(seed=3)
     _, m = call(b, cfg)
     mask = b["mask"]
@@ -162,19 +162,19 @@ def test_metrics_match_numpy(loss_type):
 def test_all_padding_batch_is_zero_and_finite():
     b = make_batch(seed=4)
     b["mask"][:] = False
-    loss, m = call(b, config_for("grpo", "seq_mean_token_mean", 2.5, "truncate", "k3"))
+    loss, m = call(b, config_for("grpo", "seq_mean_token_mean", 2.5, "tis", "k3"))
     assert float(loss) == 0.0
     assert all(np.isfinite(np.asarray(v)) for v in m.values())
 
 
 GRAD_CASES = [
-    config_for("grpo", "token_mean", 2.5, "truncate", "k3"),
-    config_for("grpo", "seq_mean_token_mean", None, "mask", "k2"),
-    config_for("grpo", "seq_mean_token_sum_norm", None, "off", "k1"),
-    config_for("gspo", "seq_mean_token_mean", None, "off", 0.0),
+    config_for("grpo", "token_mean", 2.5, "tis", "k3"),
+    config_for("grpo", "seq_mean_token_mean", None, "decoupled", "k2"),
+    config_for("grpo", "seq_mean_token_sum_norm", None, "none", "k1"),
+    config_for("gspo", "seq_mean_token_mean", None, "none", 0.0),
     # GSPO-token's stop-gradient trick gives the true gradient of the sequence objective under any
     # aggregation, as long as there are no per-token weights (so TIS is off here).
-    config_for("gspo", "token_mean", 2.5, "off", "k3"),
+    config_for("gspo", "token_mean", 2.5, "none", "k3"),
 ]
 
 
@@ -200,9 +200,10 @@ def test_gradient_matches_finite_differences(cfg):
 
 
 def test_on_policy_gradient_is_reinforce():
-    # At ratio 1 and no clipping: d loss / d logp_t = -A_i / num_tokens (token_mean).
+    # At ratio 1, no clipping and behaviour == proximal: d loss / d logp_t = -A_i / num_tokens (token_mean).
     b = make_batch(seed=5, garbage=False)
     b["old_logprobs"] = b["logprobs"].copy()
+    b["behaviour_logprobs"] = b["logprobs"].copy()
     cfg = LossConfig()
     grad = jax.grad(lambda lp: call({**b, "logprobs": lp}, cfg)[0])(jnp.asarray(b["logprobs"], jnp.float32))
     expected = -np.broadcast_to(b["advantages"][:, None], b["mask"].shape) * b["mask"] / b["mask"].sum()
@@ -231,8 +232,8 @@ _jitted_value_and_grad = jax.jit(
     static_argnames="config")
 
 # Between them every feature: both loss types, all aggregations, dual clip, both TIS modes, all KLs.
-PAD_CASES = [("grpo", "token_mean", 2.5, "truncate", "k3"), ("grpo", "seq_mean_token_sum_norm", None, "mask", "k1"),
-             ("gspo", "seq_mean_token_mean", 2.5, "truncate", "k2"), ("gspo", "token_mean", None, "off", 0.0)]
+PAD_CASES = [("grpo", "token_mean", 2.5, "tis", "k3"), ("grpo", "seq_mean_token_sum_norm", None, "decoupled", "k1"),
+             ("gspo", "seq_mean_token_mean", 2.5, "tis", "k2"), ("gspo", "token_mean", None, "none", 0.0)]
 
 
 @settings(max_examples=40, deadline=None)
@@ -253,7 +254,7 @@ def test_padding_never_changes_loss_gradient_or_metrics(seed, case):
 
 
 def test_jit_matches_eager():
-    cfg = config_for("gspo", "seq_mean_token_mean", 2.5, "mask", "k3")
+    cfg = config_for("gspo", "seq_mean_token_mean", 2.5, "decoupled", "k3")
     b = make_batch(seed=8)
     l1, m1 = call(b, cfg)
     l2, m2 = call(b, cfg, fn=_jitted)
@@ -264,22 +265,22 @@ def test_jit_matches_eager():
 def test_reference_and_behaviour_optional():
     b = make_batch(seed=9, garbage=False)
     j = {k: jnp.asarray(v) for k, v in b.items()}
-    cfg = LossConfig()
+    cfg = LossConfig(off_policy="none")
     assert not cfg.needs_reference
     loss, m = policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"], cfg)
     assert np.isfinite(float(loss)) and "kl/mean" not in m and "tis/weight_mean" not in m
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"],
-                    LossConfig(kl_coef=0.1))
+                    LossConfig(kl_coef=0.1, off_policy="none"))
     with pytest.raises(ValueError, match="behaviour_logprobs"):
         policy_loss(j["logprobs"], j["old_logprobs"], None, None, j["advantages"], j["mask"],
-                    LossConfig(tis="truncate"))
+                    LossConfig(off_policy="tis"))
     assert LossConfig(kl_coef=0.1).needs_reference
 
 
 def test_float_mask_equals_bool_mask():
     b = make_batch(seed=10)
-    cfg = config_for("grpo", "seq_mean_token_sum_norm", None, "truncate", "k1")
+    cfg = config_for("grpo", "seq_mean_token_sum_norm", None, "tis", "k1")
     l_bool, _ = call(b, cfg)
     l_float, _ = call({**b, "mask": b["mask"].astype(np.float32)}, cfg)
     assert float(l_bool) == float(l_float)
@@ -295,10 +296,10 @@ def test_aggregate_simple_values():
 
 def test_validate():
     assert LossConfig().validate() == []
-    problems = LossConfig(loss_type="ppo", aggregation="sum", kl_estimator="k4", tis="on", clip_low=1.5,
+    problems = LossConfig(loss_type="ppo", aggregation="sum", kl_estimator="k4", off_policy="on", clip_low=1.5,
                           clip_high=-0.1, dual_clip=0.5, tis_cap=0.0, kl_coef=-1.0).validate()
     keys = [p.split("=")[0] for p in problems]
-    assert keys == ["loss_type", "aggregation", "kl_estimator", "tis", "clip_low", "clip_high", "kl_coef",
+    assert keys == ["loss_type", "aggregation", "kl_estimator", "off_policy", "clip_low", "clip_high", "kl_coef",
                     "dual_clip", "tis_cap"]
     assert problems[0] == "loss_type='ppo': allowed grpo, gspo"
     assert LossConfig(aggregation="seq_mean_token_sum_norm").validate()[0].startswith("max_completion_len=0")

@@ -201,8 +201,38 @@ def test_close_without_error_drains_a_short_last_step():
     taken = b.take(4, current_version=0, timeout=0)
     assert [g.ordinal for g in taken.groups] == [3] and taken.drained
     assert b.take(4, current_version=1, timeout=0) == type(taken)([], [], drained=True)
-    with pytest.raises(ReplayBufferClosed):
+    with pytest.raises(ReplayBufferClosed, match="without a reservation"):
         b.put(group(4))
+
+
+def test_after_close_a_group_generated_again_is_waited_for_and_taken():
+    # A group that grew too stale after the data ran out is generated again: take() waits for its
+    # reservation instead of ending the run without it.
+    b = ReplayBuffer(capacity=4, max_staleness=0, prompts_per_step=2)
+    b.put(group(0, weight_version=0))
+    b.close()
+    taken = b.take(2, current_version=1, timeout=0)
+    assert taken.groups == [] and [g.ordinal for g in taken.too_stale] == [0]
+    assert b.reserve(1, 1)  # the actor regenerates ordinal 0 with version 1
+    waiting = b.take  # nothing there yet, but a reservation: take waits instead of reporting drained
+    with pytest.raises(ReplayBufferTimeout):
+        waiting(2, current_version=1, timeout=0.05)
+    b.put(group(0, weight_version=1))
+    taken = b.take(2, current_version=1, timeout=0)
+    assert [g.ordinal for g in taken.groups] == [0] and taken.drained
+
+
+def test_from_state_leaves_out_groups_that_no_longer_fit():
+    b = ReplayBuffer(capacity=4, max_staleness=1, prompts_per_step=1)
+    for o in range(4):
+        b.put(group(o))
+    state = b.to_state()
+    fits = lambda g: "too long" if g.ordinal == 1 else None
+    back = ReplayBuffer.from_state(state, capacity=2, fits=fits)
+    assert back.ordinals() == [0, 2]
+    assert back.left_out == [(1, "too long"), (3, "beyond the buffer's capacity of 2 groups")]
+    with pytest.raises(ValueError, match="capacity is 2"):
+        ReplayBuffer.from_state(state, capacity=2)
 
 
 def test_state_is_plain_json_and_round_trips_arrays():
@@ -277,3 +307,16 @@ def test_state_as_pooled_arrays_round_trips_and_an_empty_buffer_still_saves_an_a
     assert ArrayPool().arrays()["int32"].shape == (1,)  # Orbax refuses zero-size arrays
     with pytest.raises(ValueError, match="runs past the end"):
         ArrayPool({"int32": np.zeros(2, np.int32)}).get({"__pooled__": "int32", "start": 1, "shape": [4]})
+
+
+def test_put_back_returns_an_abandoned_step_for_the_checkpoint():
+    b = ReplayBuffer(capacity=2, max_staleness=1, prompts_per_step=2)
+    b.put(group(0))
+    b.put(group(1))
+    taken = b.take(2, current_version=0)
+    assert b.learner_version == 1
+    b.put_back(taken.groups, current_version=0)
+    assert b.ordinals() == [0, 1] and b.learner_version == 0
+    assert [g.ordinal for g in b.to_state()["groups"] and b.take(2, current_version=0).groups] == [0, 1]
+    with pytest.raises(ValueError, match="already in the buffer"):
+        b.put_back([group(0), group(0)], current_version=0)

@@ -108,7 +108,9 @@ def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_t
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "lost:                 0" in audit.stdout and "trained twice:        0" in audit.stdout
     lines = ledger_lines(run_dir)
-    assert len({line["run"] for line in lines}) >= 5  # every start wrote its run_start
+    # Every start that got past start-up wrote its run_start: starts 1, 2, 3 and 5 waited for a step; start 4,
+    # killed during start-up, may have died before opening the ledger (start-up takes longer on a busy machine).
+    assert len({line["run"] for line in lines}) >= 4
 
     # Training reached its end.
     chain = surviving_chain(lines)

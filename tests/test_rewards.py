@@ -218,9 +218,54 @@ def test_rewards(monkeypatch):
     def not_numbers(**_):
         return lambda records, completions, lengths=None: ["x"] * len(completions)
 
+    def slow_on(slow="slow", seconds=5.0, **_):
+        # Sleeps on the completions equal to `slow` only; scores every other one 1.0.
+        def fn(records, completions, lengths=None):
+            if slow in completions:
+                time.sleep(seconds)
+            return [1.0] * len(completions)
+        return fn
+
+    def boom_on(**_):
+        def fn(records, completions, lengths=None):
+            if "boom" in completions:
+                raise RuntimeError("kaboom")
+            return [0.5] * len(completions)
+        return fn
+
+    def call_sizes(log, **_):
+        def fn(records, completions, lengths=None):
+            log.append(len(completions))
+            return [float(len(c)) for c in completions]
+        return fn
+
     for name, f in [("boom", boom), ("short", short), ("partial_nan", partial_nan), ("sleepy", sleepy),
-                    ("not_numbers", not_numbers)]:
+                    ("not_numbers", not_numbers), ("slow_on", slow_on), ("boom_on", boom_on),
+                    ("call_sizes", call_sizes)]:
         monkeypatch.setitem(R.REWARDS, name, f)
+
+
+@pytest.fixture
+def hang_release():
+    """A reward 'hang' that blocks on an Event until the test ends, like a call that never returns;
+    releasing it at teardown lets the stuck threads finish."""
+    release = threading.Event()
+
+    def hang(**_):
+        def fn(records, completions, lengths=None):
+            if "hang" in completions:
+                release.wait()
+            return [1.0] * len(completions)
+        return fn
+
+    R.REWARDS["hang"] = hang
+    yield release
+    release.set()
+    del R.REWARDS["hang"]
+
+
+def reward_threads(label):
+    return sum(t.name == f"reward-{label}" for t in threading.enumerate())
 
 
 def test_suite_weighted_sum():
@@ -242,8 +287,8 @@ def test_suite_failures_are_reported_not_raised(test_rewards):
     assert np.isnan(res.per_function["partial_nan"][1])
     assert res.errors == ["partial_nan: 1 non-finite values"]
 
-    for name, message in [("boom", "boom: raised RuntimeError: kaboom"),
-                          ("short", "short: bad output: returned shape (2,) for 3 completions"),
+    for name, message in [("boom", "boom: raised RuntimeError: kaboom (3 of 3 samples)"),
+                          ("short", "short: bad output: returned shape (0,) for 1 completions (3 of 3 samples)"),
                           ("not_numbers", "not_numbers: bad output")]:
         res = R.RewardSuite([("format", 1.0), (name, 1.0)], timeout_s=5).score([{}] * 3, ["#### 1", "b", "c"])
         assert res.failed.all() and res.num_failed == 3, name
@@ -252,15 +297,104 @@ def test_suite_failures_are_reported_not_raised(test_rewards):
         assert len(res.errors) == 1 and res.errors[0].startswith(message)
 
 
-def test_suite_timeout_abandons_thread(test_rewards):
-    suite = R.RewardSuite([("format", 1.0), ("sleepy", 1.0, {"seconds": 3.0})], timeout_s=0.3)
+def test_suite_timeout_fails_only_unscored_samples(test_rewards):
+    suite = R.RewardSuite([("format", 1.0), ("sleepy", 1.0, {"seconds": 3.0})], timeout_s=0.5)
     start = time.monotonic()
     res = suite.score([{}] * 2, ["#### 1", "x"])
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 2.5
     assert res.failed.all()
-    assert "timed out" in res.errors[0]
-    assert suite.abandoned_threads == 1
-    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("reward-sleepy"))
+    assert res.errors == ["sleepy: timed out after 0.5s with 2 of 2 samples not scored; calls still running: 2"]
+    np.testing.assert_allclose(res.per_function["format"], [1, 0])
+    assert suite.metrics() == {"reward/timed_out_samples": 2, "reward/stuck_threads": 2}
+    assert all(t.daemon for t in threading.enumerate() if t.name == "reward-sleepy")
+
+
+def test_one_slow_sample_fails_only_itself(test_rewards):
+    # One call per sample on a few threads: the slow sample holds one thread while the others score
+    # the rest of the handout, so only it misses the deadline.
+    suite = R.RewardSuite([("slow_on", 1.0, {"seconds": 2.0})], timeout_s=0.5)
+    completions = ["a"] * 5 + ["slow"] + ["b"] * 58
+    start = time.monotonic()
+    res = suite.score([{}] * 64, completions)
+    assert time.monotonic() - start < 2.5
+    assert np.flatnonzero(res.failed).tolist() == [5]
+    assert res.rewards[res.failed].tolist() == [0.0] and res.rewards[~res.failed].tolist() == [1.0] * 63
+    assert res.errors == ["slow_on: timed out after 0.5s with 1 of 64 samples not scored; calls still running: 1"]
+    assert suite.metrics() == {"reward/timed_out_samples": 1, "reward/stuck_threads": 1}
+    # The slow call returns later: its thread rejoins the pool and the late value is discarded.
+    deadline = time.monotonic() + 10
+    while suite.stuck_threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert suite.metrics() == {"reward/timed_out_samples": 1, "reward/stuck_threads": 0}
+
+
+def test_error_in_one_sample_does_not_fail_the_others(test_rewards):
+    suite = R.RewardSuite([("format", 1.0), ("boom_on", 2.0)], timeout_s=5)
+    res = suite.score([{}] * 4, ["#### 1", "boom", "x", "boom"])
+    assert res.failed.tolist() == [False, True, False, True]
+    np.testing.assert_allclose(res.rewards, [2.0, 0.0, 1.0, 0.0])
+    assert res.errors == ["boom_on: raised RuntimeError: kaboom (2 of 4 samples)"]
+    assert suite.metrics()["reward/timed_out_samples"] == 0
+
+
+def test_samples_per_call_batches_and_fails_together(test_rewards):
+    sizes = []
+    suite = R.RewardSuite([{"name": "call_sizes", "kwargs": {"log": sizes}, "samples_per_call": 4}], timeout_s=5)
+    res = suite.score([{}] * 10, ["x" * i for i in range(10)])
+    assert sorted(sizes) == [2, 4, 4] and res.rewards.tolist() == list(range(10))
+    # A batched function that fails fails its whole call's samples, and only those.
+    res = R.RewardSuite([{"name": "boom_on", "samples_per_call": 2}], timeout_s=5).score([{}] * 4, ["a", "boom", "c", "d"])
+    assert res.failed.tolist() == [True, True, False, False]
+    assert res.errors == ["boom_on: raised RuntimeError: kaboom (2 of 4 samples)"]
+    with pytest.raises(ValueError, match="samples_per_call=0"):
+        R.RewardSpec.parse({"name": "format", "samples_per_call": 0})
+
+
+def test_hung_reward_costs_a_bounded_number_of_threads(test_rewards, hang_release):
+    # Every handout has two samples that never return. Stuck threads pile up to max_threads, then the
+    # function is no longer called, and its samples fail at once, however many handouts follow.
+    suite = R.RewardSuite([("format", 1.0), ("hang", 1.0)], timeout_s=0.5, workers=3, max_threads=5)
+    before = threading.active_count()
+    completions = ["hang", "#### 1", "hang", "#### 2"]
+    stuck_seen, refused = [], 0
+    for _ in range(12):
+        start = time.monotonic()
+        res = suite.score([{}] * 4, completions)
+        assert time.monotonic() - start < 2.5
+        assert res.failed[[0, 2]].all()
+        stuck_seen.append(suite.stuck_threads)
+        refused += any("not called" in e for e in res.errors)
+        assert reward_threads("hang") <= 5
+        assert threading.active_count() <= before + 5 + 3  # the hung function's bound + format's pool
+    assert stuck_seen[0] == 2 and max(stuck_seen) == 5 and stuck_seen[-1] == 5
+    assert refused >= 8
+    assert res.errors == ["hang: not called, 4 samples failed: all its 5 threads are stuck in calls that "
+                          "outlived their 0.5s limit"]
+    np.testing.assert_allclose(res.per_function["format"], [0, 1, 0, 1])
+    metrics = suite.metrics()
+    assert metrics["reward/stuck_threads"] == 5
+    assert metrics["reward/timed_out_samples"] >= 2 * 12
+    # Once the hung calls return, their threads serve the function again.
+    hang_release.set()
+    deadline = time.monotonic() + 10
+    while suite.stuck_threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert suite.stuck_threads == 0
+    res = suite.score([{}] * 4, completions)
+    assert not res.failed.any() and res.errors == []
+
+
+def test_idle_reward_threads_exit(test_rewards, monkeypatch):
+    monkeypatch.setattr(R._RewardPool, "IDLE_EXIT_S", 0.2)
+    suite = R.RewardSuite([{"name": "boom_on", "label": "idle_probe"}], timeout_s=5, workers=3)
+    assert suite.score([{}] * 8, ["a"] * 8).errors == []
+    assert 1 <= reward_threads("idle_probe") <= 3
+    deadline = time.monotonic() + 10
+    while reward_threads("idle_probe") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reward_threads("idle_probe") == 0
+    # A later call starts threads again.
+    assert suite.score([{}] * 2, ["a", "boom"]).failed.tolist() == [False, True]
 
 
 def test_suite_spec_validation():
@@ -277,3 +411,5 @@ def test_suite_spec_validation():
         suite.score([{}], ["a", "b"])
     with pytest.raises(ValueError, match="timeout_s"):
         R.RewardSuite([("format", 1.0)], timeout_s=0)
+    with pytest.raises(ValueError, match="workers"):
+        R.RewardSuite([("format", 1.0)], workers=5, max_threads=4)

@@ -152,7 +152,7 @@ def test_gsm8k_config_runs_two_steps_with_a_tiny_qwen2(tmp_path, gsm8k_dir):
     config = load_config(Config, REPO / "configs" / "gsm8k_qwen2_5.yaml", [
         f"model_path={model_dir}", f"data.path={gsm8k_dir}", f"run_dir={tmp_path / 'run'}",
         "trainer.max_steps=2", "trainer.progress=false", "trainer.group_timeout_s=300",
-        "grpo.prompts_per_step=2", "grpo.group_size=2", "optim.micro_batch_size=2",
+        "grpo.prompts_per_step=4", "grpo.group_size=2", "optim.micro_batch_size=2",
         "sampler.max_new_tokens=8", "sampler.min_batch_bucket=4", "sampler.min_prompt_bucket=512",
         "model.remat=false"])
     assert [r["name"] for r in config.rewards] == ["gsm8k", "format"]

@@ -1,13 +1,15 @@
 """Learner throughput and model FLOP utilisation (MFU) on the local device (meant for CPU).
 
 Runs the real `Learner.step` (jitted, donated, AdamW with global-norm clipping, GRPO loss with TIS
-"truncate", no KL, entropy metric on) on a synthetic packed batch, and compares its model FLOP/s with
+"tis", no KL, entropy metric on) on a synthetic packed batch, and compares its model FLOP/s with
 the peak FLOP/s of a large float32 matmul measured in the same run on the same machine. Prints both,
 their ratio, and a last line `learner: X tokens/s, Y GFLOP/s, peak Z GFLOP/s, MFU W%`.
 
     python tools/bench_train.py                 # default size below; ~1.4 s steps on 2 idle Zen 4 cores
     python tools/bench_train.py --breakdown     # also forward, forward+backward, optimizer timed apart
     python tools/bench_train.py --hidden 1024 --intermediate 2816 --heads 16 --batch 2 --seq 512
+    python tools/bench_train.py --mini-batches 4  # PPO mini-batches: 4 updates a step, old log-prob pass included
+    python tools/bench_train.py --lora-rank 16    # LoRA adapters (rank 16, alpha 32, every projection) on a frozen base
 
 Default size: vocab 8192, hidden 768, MLP 2048, 4 layers, 12 query / 4 KV heads of 64, float32
 (37.8M parameters, 31.5M of them in matmuls); batch 4 rows x 256 positions = 1024 tokens per step,
@@ -26,6 +28,20 @@ B = rows; E, H, KV, D, M, V, L as in ModelConfig):
                                                          full T x T square (what the model computes, causal
                                                          mask or not), backward twice the forward
     model FLOPs per step = dense + attention
+
+With several updates a step (--mini-batches M, --epochs E) the step runs E passes of forward+backward over
+the batch (each update on B / M rows) plus, before them, one forward pass over the whole batch for the
+old log-probs (a third of the dense FLOPs and of the attention FLOPs above), which counts as model work:
+
+    model FLOPs per step = E * (dense + attention) + (dense + attention) / 3    (when M * E > 1)
+
+LoRA (--lora-rank R: adapters on q, k, v, o, gate, up, down, alpha 2R, over a frozen base): the base's
+weights get no gradient, so forward+backward costs 4 FLOPs per base weight per token (forward 2, input
+gradient 2) instead of 6, and the N_adapter = sum over adapted projections of R * (in + out) adapter
+weights cost 6 each; in the formulas above, 6 * (N_layers*B*T + N_head*B*S) becomes
+4 * (N_layers*B*T + N_head*B*S) + 6 * N_adapter*B*T (an old log-prob pass stays a forward: 2 per weight).
+The tool also prints the learner's memory: bytes of the trained parameters, of the frozen ones and of
+the optimizer state, and the compiled step's memory_analysis() (temporaries: activations, gradients).
 
 Norms, RoPE, softmax, the loss and the optimizer are not counted (O(params) or O(B*T*(E+V)) each).
 The XLA cost analysis of the compiled step (`.lower().compile().cost_analysis()["flops"]`) is
@@ -79,7 +95,11 @@ def parse_args(argv=None):
     b.add_argument("--seq", type=int, default=256,
                    help="positions the model runs per row (packed length is seq + 1)")
     b.add_argument("--prompt-frac", type=float, default=0.25, help="share of the packed row that is prompt")
-    b.add_argument("--micro", type=int, default=0, help="optim.micro_batch_size (0: whole batch)")
+    b.add_argument("--micro", type=int, default=0, help="optim.micro_batch_size (0: whole mini-batch)")
+    b.add_argument("--mini-batches", type=int, default=1, help="optim.mini_batches (updates per pass)")
+    b.add_argument("--epochs", type=int, default=1, help="optim.epochs (passes over the batch per step)")
+    b.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank on every projection, alpha 2x rank (0: full fine-tuning)")
     b.add_argument("--ragged", action="store_true",
                    help="random prompt/completion lengths (padding is still computed; default: full rows)")
     r = p.add_argument_group("run")
@@ -108,22 +128,28 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.lora import LoraConfig, init_adapters  # noqa: E402
 from grpo_jax.losses import LossConfig  # noqa: E402
 from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
 
 
-def model_flops(c: ModelConfig, batch: int, seq: int, scored: int = 0) -> dict[str, float]:
-    """Analytic forward+backward FLOPs of one step (see the module docstring). `scored`: positions per
-    row that go through the LM head (TrainBatch.completion_len; 0 = all `seq`)."""
+def model_flops(c: ModelConfig, batch: int, seq: int, scored: int = 0, epochs: int = 1,
+                old_pass: bool = False, adapter_params: int = 0) -> dict[str, float]:
+    """Analytic FLOPs of one step (see the module docstring): `epochs` forward+backward passes over the
+    batch, plus a forward pass for the old log-probs when `old_pass`. `scored`: positions per row that go
+    through the LM head (TrainBatch.completion_len; 0 = all `seq`). adapter_params > 0: LoRA, the base
+    frozen (no weight gradients for it)."""
     e, h, kv, d, m, v, n_layers = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
                                    c.intermediate_size, c.vocab_size, c.num_layers)
     scored = scored or seq
     per_layer = e * h * d + 2 * e * kv * d + h * d * e + 3 * e * m
     n_body, n_head = n_layers * per_layer, e * v
-    body = 6.0 * n_body * batch * seq
-    head = 6.0 * n_head * batch * scored
-    attention = 12.0 * n_layers * batch * seq**2 * h * d
-    return {"n_matmul": n_body + n_head, "body": body, "head": head, "attention": attention,
+    old = 1.0 if old_pass else 0.0
+    weight = epochs * (4.0 if adapter_params else 6.0) + old * 2.0  # per frozen-or-trained base weight per token
+    body = weight * n_body * batch * seq + (epochs * 6.0 + old * 2.0) * adapter_params * batch * seq
+    head = weight * n_head * batch * scored
+    attention = (epochs * 12.0 + old * 4.0) * n_layers * batch * seq**2 * h * d
+    return {"n_matmul": n_body + n_head + adapter_params, "body": body, "head": head, "attention": attention,
             "total": body + head + attention}
 
 
@@ -175,6 +201,20 @@ def synthetic_batch(c: ModelConfig, batch: int, seq: int, prompt_frac: float, ra
     advantages = rng.standard_normal(batch).astype(np.float32)
     return pack_batch(prompts, completions, behaviour, advantages, pad_id=0, prompt_len=prompt_len,
                       completion_len=completion_len)
+
+
+def learner_memory(learner: Learner, compiled) -> dict[str, int]:
+    """Bytes of the trained parameters, the frozen ones (LoRA's base; 0 without), the optimizer state, and
+    the compiled step's temporaries (activations, gradients, XLA scratch: memory_analysis().temp)."""
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    out = {"params": nbytes(learner.params), "frozen": nbytes(learner.frozen), "opt_state": nbytes(learner.opt_state)}
+    try:
+        out["step_temp"] = compiled.memory_analysis().temp_size_in_bytes
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        pass
+    return out
 
 
 def xla_flops(compiled) -> float | None:
@@ -247,8 +287,9 @@ def main(args) -> dict:
                          num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                          head_dim=args.head_dim, dtype=args.dtype, remat=args.remat,
                          max_position_embeddings=max(4096, args.seq + 1))
-    loss_config = LossConfig(tis="truncate", kl_coef=0.0)
-    optim_config = OptimConfig(lr=1e-5, weight_decay=0.01, micro_batch_size=args.micro)
+    loss_config = LossConfig(off_policy="tis", kl_coef=0.0)
+    optim_config = OptimConfig(lr=1e-5, weight_decay=0.01, micro_batch_size=args.micro,
+                               mini_batches=args.mini_batches, epochs=args.epochs)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     try:
@@ -262,16 +303,26 @@ def main(args) -> dict:
 
     model = create_model(config, seed=args.seed)
     params_total = count_params(model)
-    learner = Learner(model, optim_config, loss_config)
+    adapters = None
+    if args.lora_rank:
+        if args.breakdown:
+            raise SystemExit("--breakdown times the full model's pieces; not with --lora-rank")
+        adapters = init_adapters(config, LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank), seed=args.seed)
+    learner = Learner(model, optim_config, loss_config, adapters=adapters)
+    trained_params = count_params(adapters) if adapters is not None else params_total
     batch = synthetic_batch(config, args.batch, args.seq, args.prompt_frac, args.ragged, args.seed)
-    flops = model_flops(config, args.batch, args.seq, getattr(batch, "completion_len", 0))
+    updates = optim_config.updates_per_step
+    flops = model_flops(config, args.batch, args.seq, getattr(batch, "completion_len", 0), epochs=args.epochs,
+                        old_pass=updates > 1, adapter_params=trained_params if adapters is not None else 0)
     tokens = args.batch * args.seq
     print(f"model: vocab {config.vocab_size}, hidden {config.hidden_size}, mlp {config.intermediate_size}, "
           f"{config.num_layers} layers, {config.num_heads}/{config.num_kv_heads} heads x "
           f"{config.resolved_head_dim}, {config.dtype}; {params_total / 1e6:.2f}M params "
           f"({flops['n_matmul'] / 1e6:.2f}M in matmuls)", flush=True)
     print(f"batch: {args.batch} rows x {args.seq} positions = {tokens} tokens "
-          f"({int(np.asarray(batch.loss_mask).sum())} trained), micro-batch {args.micro or args.batch}; "
+          f"({int(np.asarray(batch.loss_mask).sum())} trained), {updates} update(s) a step "
+          f"({args.mini_batches} mini-batch(es) x {args.epochs} epoch(s)), micro-batch "
+          f"{args.micro or args.batch // args.mini_batches}; "
           f"{getattr(batch, 'completion_len', 0) or args.seq} positions/row through the LM head; model FLOPs/step "
           f"{flops['total'] / 1e9:.2f} G (layers {flops['body'] / 1e9:.2f} G + LM head {flops['head'] / 1e9:.2f} G + "
           f"attention {flops['attention'] / 1e9:.2f} G)", flush=True)
@@ -279,12 +330,16 @@ def main(args) -> dict:
     # Compile apart (lower + compile of the very function Learner.step calls), then the first real
     # call, which compiles again through jit's own cache unless the two share it.
     t0 = time.perf_counter()
-    compiled = learner._step.lower(learner.params, learner.opt_state, batch, learner.ref_params).compile()
+    compiled = learner._step.lower(learner.params, learner.opt_state, batch, learner.ref_params, learner.frozen,
+                                   None).compile()
     compile_s = time.perf_counter() - t0
     xla = None if args.no_cost_analysis else xla_flops(compiled)
+    memory = learner_memory(learner, compiled)
     del compiled
+    print(f"learner memory: trained parameters {trained_params / 1e6:.2f}M, "
+          + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in memory.items()), flush=True)
     t0 = time.perf_counter()
-    first = learner.step(batch)
+    first, _ = learner.step(batch)
     first_s = time.perf_counter() - t0
     assert np.isfinite(first["loss"]), first
 
@@ -295,7 +350,7 @@ def main(args) -> dict:
         peaks.append(peak_i)
         peaks_cpu.append(peak_cpu_i)
         c0, t0 = time.process_time(), time.perf_counter()
-        metrics = learner.step(batch)  # returns host floats: the step has finished
+        metrics, _ = learner.step(batch)  # returns host floats: the step has finished
         times.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     step_s = statistics.median(times)
@@ -317,7 +372,9 @@ def main(args) -> dict:
     print(f"MFU by CPU time (step FLOP/CPU-s over matmul FLOP/CPU-s, load-insensitive): {100 * cpu_ratio:.1f}%")
     print(f"best step against best peak: {flops['total'] / min(times) / 1e9:.1f} GFLOP/s of "
           f"{max(peaks) / 1e9:.1f}, MFU {100 * flops['total'] / min(times) / max(peaks):.1f}%")
-    if xla is not None:
+    if xla is not None and updates > 1:
+        print("XLA cost analysis: not comparable with several updates (nested loops count their bodies once)")
+    elif xla is not None:
         # The micro-batches run in a lax.scan (a while loop): the cost analysis counts its body once.
         trips = args.batch // args.micro if args.micro else 1
         xla *= trips
@@ -336,7 +393,8 @@ def main(args) -> dict:
     result = {"tokens_per_s": tokens / step_s, "gflops": achieved / 1e9, "peak_gflops": peak / 1e9,
               "mfu": mfu, "mfu_paired": paired, "mfu_cpu_time": cpu_ratio, "step_s": step_s,
               "step_cpu_s": statistics.median(cpus), "compile_s": compile_s, "first_call_s": first_s,
-              "xla_gflop": None if xla is None else xla / 1e9, "model_gflop": flops["total"] / 1e9}
+              "xla_gflop": None if xla is None else xla / 1e9, "model_gflop": flops["total"] / 1e9,
+              "trained_params": trained_params, "memory_bytes": memory}
     if args.breakdown:
         print("breakdown (each piece jitted alone, on the whole batch; median wall s, median CPU s):")
         pieces = breakdown(learner, batch, loss_config, max(3, args.steps))

@@ -1,0 +1,334 @@
+"""The actor: a background thread that turns handouts of prompts into finished groups for the learner.
+
+    Collector.handout / take_requeued -> G completions per prompt (Engine or Sampler, on the actor's devices)
+    -> rewards (RewardSuite) -> group advantages -> ReplayBuffer.put, or a drop with its reason
+
+Two ways to generate (sampler.engine):
+- continuous (grpo_jax.engine.Engine), streaming: admitted prompts are submitted to the engine as its slots
+  free up, the engine decodes one chunk per loop, and each group goes to the buffer (or is dropped) as soon as
+  its G samples have finished, whatever the other groups are doing.
+- static (grpo_jax.sampler.Sampler): one handout at a time, generated as one batch and scored together.
+
+Contract with the learner (grpo_jax.trainer):
+- Admission: before generating, the actor reserves buffer slots with its weight version; it generates only
+  prompts that can be trained within grpo.max_staleness (ReplayBuffer.admissible / reserve).
+- Weights: the learner hands new weights over with push_weights(state, version); the actor adopts them
+  between generation calls (the engine: between decode chunks, with sequences in flight when
+  sampler.inflight_updates is on). Every token records the version that drew it (extras["token_versions"])
+  and a group's weight_version is the OLDEST among its tokens: the staleness bound (learner version -
+  weight_version <= max_staleness, checked by ReplayBuffer.take) then holds for every token of the group. The
+  admission rule still holds with in-flight updates: tokens are drawn with weights at least as new as the
+  version the group was admitted with.
+- Every prompt it takes ends as a group in the buffer or as a drop in the ledger (bad_row, reward_error,
+  overlong, zero_variance); prompts in flight when it is stopped stay unfinished, for the resume.
+- When the data is exhausted it closes the buffer for new prompts and stays, generating again the groups
+  that grow too stale before they are trained, until the learner stops it.
+- A failure closes the buffer with the error, so the learner stops with it instead of waiting.
+- Random keys depend only on the run's base key, the prompt's global ordinal and its regeneration count.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.advantages import group_advantages
+from grpo_jax.collector import Collector, Prompt
+from grpo_jax.config import Config
+from grpo_jax.ledger import global_ordinal
+from grpo_jax.replay_buffer import Group, ReplayBuffer
+from grpo_jax.engine import Engine, GroupResult
+from grpo_jax.rewards import RewardSuite
+from grpo_jax.sampler import Sampler
+from grpo_jax.tokenizer import Tokenizer
+
+logger = logging.getLogger("grpo_jax.actor")
+
+
+def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Array:
+    """A group's sampling key depends only on the run's base key, its ordinal and its regeneration count,
+    never on thread timing or on which other prompts share its batch (so a resumed run draws the same)."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, ordinal), regenerations)
+
+
+
+# Bad rows logged: the first BAD_ROWS_LOGGED, then every BAD_ROWS_LOG_EVERY-th (all are in the ledger).
+BAD_ROWS_LOGGED = 10
+BAD_ROWS_LOG_EVERY = 1000
+
+
+class Actor:
+    """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
+
+    def __init__(self, config: Config, sampler: Sampler | Engine, tokenizer: Tokenizer, collector: Collector,
+                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0):
+        self.config = config
+        self.base_key = base_key
+        self.sampler = sampler
+        self.streaming = isinstance(sampler, Engine)
+        self.num_devices = len(jax.tree.leaves(sampler.state)[0].sharding.device_set)
+        self.tokenizer = tokenizer
+        self.collector = collector
+        self.buffer = buffer
+        self.rewards = rewards
+        self._version = version
+        self._pending: tuple[Any, int] | None = None  # (state, version) pushed by the learner
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.generated_tokens = 0
+        self.generate_seconds = 0.0
+        self.failed_samples = 0
+        self.bad_rows = 0
+        self.first_bad_row: str | None = None  # "reason: detail (epoch e, dataset_index i)"
+        self._side_jobs: queue.SimpleQueue = queue.SimpleQueue()  # see submit_side_job
+        self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
+
+    # -- called from the learner thread --
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def push_weights(self, state, version: int) -> None:
+        with self._cond:
+            self._pending = (state, version)
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def metrics(self, groups: list[Group]) -> dict:
+        """For a learner step's groups: the spread of weight versions inside each group (newest minus oldest
+        token version; > 0 only with in-flight updates), and the generator's throughput so far (tokens/s while
+        generating, per actor device) with, for the engine, its slot occupancy and prefill sharing."""
+        seconds = max(self.generate_seconds, 1e-9)
+        out = {"actor/tokens_per_s_per_device": self.generated_tokens / seconds / self.num_devices}
+        spreads = [max(int(v.max()) for v in grp.extras["token_versions"] if len(v)) - grp.weight_version
+                   for grp in groups if "token_versions" in grp.extras]
+        if spreads:
+            out.update({"rollout/version_spread_mean": float(np.mean(spreads)),
+                        "rollout/version_spread_max": int(np.max(spreads))})
+        if self.streaming:
+            out.update(self.sampler.metrics())
+        return out
+
+    # -- the thread --
+
+    def _adopt_pending_weights(self) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        state, version = pending
+        if self.streaming:  # with inflight_updates off the engine holds them back until its slots drain
+            self.sampler.update_params(state, version)
+            self._version = self.sampler.version
+        else:
+            self.sampler.update_params(state)
+            self._version = version
+
+    def _wait_for_newer_weights(self) -> None:
+        with self._cond:
+            if self._pending is None and not self._stop.is_set():
+                self._cond.wait(timeout=0.5)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._adopt_pending_weights()
+                self._run_side_jobs()
+                if self.streaming:
+                    self._stream_one_chunk()
+                    continue
+                prompts = self._admit()
+                if not prompts:
+                    self._wait_for_newer_weights()
+                    continue
+                self._process(prompts)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the learner, not vanish
+            self.error = e
+            logger.exception("actor thread failed")
+            self.buffer.close(error=e)
+
+    def _admit(self) -> list[Prompt]:
+        """Prompts to generate now, each with a buffer slot reserved at the current weight version: those sent
+        back to be generated again first, else a new handout. [] when none may start."""
+        prompts = self.collector.take_requeued()
+        if not prompts and self.collector.exhausted:
+            # No new prompts: the learner may train a short last step. Stay, to generate again any group
+            # that grows too stale before it is trained (a prompt, not a run_ended drop).
+            if not self.buffer.closed:
+                self.buffer.close()
+            return []
+        room = self.buffer.admissible(self._version, self.config.trainer.max_steps)
+        if room == 0:
+            # Either every remaining step is covered, or more would break the staleness bound until the
+            # learner moves on; both clear when new weights arrive.
+            self._requeue_back(prompts)
+            return []
+        if prompts:
+            self._requeue_back(prompts[room:])
+            prompts = prompts[:room]
+            self.buffer.reserve(len(prompts), self._version)
+            return prompts
+        size = min(room, self.collector.handout_size)
+        self.buffer.reserve(size, self._version)
+        prompts = self.collector.handout(size)
+        if size > len(prompts):
+            self.buffer.release(size - len(prompts))
+            if not prompts and not self.buffer.closed:
+                self.buffer.close()  # the data ran out just now (see above)
+        return prompts
+
+    def _stream_one_chunk(self) -> None:
+        """Streaming (the engine): top up the engine's queue with admitted prompts while it could not fill its
+        free slots (plus one group) at the next chunk boundary, decode one chunk, and finish every group whose
+        samples have all ended."""
+        engine = self.sampler
+        if engine.waiting_samples < engine.free_slots + self.config.grpo.group_size:
+            prompts = self._keep_good(self._admit())
+            for prompt, keys in zip(prompts, self._sample_keys(prompts)):
+                engine.submit(prompt.record["prompt_ids"], keys, tag=prompt)
+        if not engine.busy:
+            self._wait_for_newer_weights()
+            return
+        start = time.perf_counter()
+        results = engine.step()
+        self.generate_seconds += time.perf_counter() - start
+        self._version = engine.version  # held-back weights are adopted once the slots have drained
+        if self._stop.is_set():
+            return  # abandoned: the prompts in flight stay unfinished and the run's end accounts for them
+        if results:
+            self._finish([r.tag for r in results], results)
+
+    # -- side jobs: work other than training groups that must run on the actor's devices (evaluation) --
+
+    def submit_side_job(self, job: Callable[[int], None]) -> None:
+        """Queue job(weight_version) to run on the actor thread between two generation calls, with the
+        weights the actor holds then (those of weight_version; any pushed before the call are adopted
+        first), so it shares the actor's devices without racing its sampler. Thread-safe; jobs run in the
+        order submitted. The actor generates nothing while a job runs; the learner goes on with the
+        groups already buffered. A job that raises fails the actor like any other error. Jobs still queued
+        when the actor stops are not run: a job that must finish is waited for before stop()."""
+        self._side_jobs.put(job)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run_side_jobs(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._side_jobs.get_nowait()
+            except queue.Empty:
+                return
+            job(self._version)
+
+    def _drop_bad_row(self, prompt: Prompt) -> None:
+        """Drop a row the data path marked bad, with its reason in the ledger; the first BAD_ROWS_LOGGED and
+        then every BAD_ROWS_LOG_EVERY-th are logged (a dataset of bad rows must not flood the log)."""
+        detail = f"{prompt.bad_row}: {prompt.record.get('detail', '')}"
+        where = f"epoch {prompt.epoch}, dataset_index {prompt.dataset_index}"
+        self.bad_rows += 1
+        if self.first_bad_row is None:
+            self.first_bad_row = f"{detail} ({where})"
+        if self.bad_rows <= BAD_ROWS_LOGGED or self.bad_rows % BAD_ROWS_LOG_EVERY == 0:
+            logger.warning("bad row dropped (%s): %s [%d so far; logged: the first %d, then every %d-th]", where,
+                           detail, self.bad_rows, BAD_ROWS_LOGGED, BAD_ROWS_LOG_EVERY)
+        self.collector.mark_dropped(prompt.ordinal, "bad_row", detail=detail)
+        self.buffer.release(1)
+
+    def _requeue_back(self, prompts: list[Prompt]) -> None:
+        for prompt in prompts:
+            self.collector.requeue(prompt)
+
+    def _keep_good(self, prompts: list[Prompt]) -> list[Prompt]:
+        """The prompts to generate; rows the data path marked bad are dropped here."""
+        good = []
+        for prompt in prompts:
+            if prompt.bad_row:
+                self._drop_bad_row(prompt)
+            else:
+                good.append(prompt)
+        return good
+
+    def _sample_keys(self, prompts: list[Prompt]) -> list[jax.Array]:
+        """[G] keys per prompt, from the global ordinal (with several processes the collector counts this process's
+        own) and the regeneration count: what a sample draws does not depend on where or when it is generated."""
+        n, index = jax.process_count(), jax.process_index()
+        return [jax.random.split(group_key(self.base_key, global_ordinal(p.ordinal, index, n),
+                                           p.record.get("regenerations", 0)), self.config.grpo.group_size)
+                for p in prompts]
+
+    def _process(self, prompts: list[Prompt]) -> None:
+        """Static: generate a handout as one batch, then finish its groups together."""
+        good = self._keep_good(prompts)
+        if not good:
+            return
+        g = self.config.grpo.group_size
+        version = self._version
+        keys = jnp.stack(self._sample_keys(good)).reshape(-1)
+        prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
+        start = time.perf_counter()
+        result = self.sampler.generate(prompt_ids, keys)
+        self.generate_seconds += time.perf_counter() - start
+        if self._stop.is_set():
+            return  # abandoned: these prompts stay unfinished and the run's end accounts for them
+        rows = [range(i * g, (i + 1) * g) for i in range(len(good))]
+        self._finish(good, [GroupResult(
+            tag=prompt, tokens=[result.tokens[j, :result.lengths[j]] for j in rows[i]],
+            logprobs=[result.logprobs[j, :result.lengths[j]] for j in rows[i]],
+            versions=[np.full(result.lengths[j], version, np.int32) for j in rows[i]],
+            finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(good)])
+
+    def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
+        """Score finished groups and put each into the buffer, or drop it with its reason."""
+        cfg = self.config.grpo
+        g = cfg.group_size
+        lengths = [len(t) for r in results for t in r.tokens]
+        self.generated_tokens += sum(lengths)
+        texts = [self.tokenizer.decode(t) for r in results for t in r.tokens]
+        records = [p.record["row"] for p in prompts for _ in range(g)]
+        scored = self.rewards.score(records, texts, lengths)
+        self.failed_samples += scored.num_failed
+        for error in scored.errors[:3]:
+            logger.warning("reward: %s", error)
+        rewards = scored.rewards.reshape(len(prompts), g)
+        valid = ~scored.failed.reshape(len(prompts), g)
+        overlong = np.array([[reason == "length" for reason in r.finish_reasons] for r in results])
+        advantages, zero_var = group_advantages(rewards, valid=valid, baseline=cfg.baseline,
+                                                scale_by_std=cfg.scale_by_std)
+        advantages, zero_var = np.asarray(advantages), np.asarray(zero_var)
+        for i, (prompt, result) in enumerate(zip(prompts, results)):
+            reason = None
+            if valid[i].sum() < 2:
+                reason = "reward_error"
+            elif overlong[i].all():
+                reason = "overlong"
+            elif cfg.filter_zero_variance and zero_var[i]:
+                reason = "zero_variance"
+            if reason:
+                self.collector.mark_dropped(prompt.ordinal, reason)
+                self.buffer.release(1)
+                continue
+            group = Group(
+                ordinal=prompt.ordinal, prompt=prompt.record,
+                completions=[np.asarray(t, np.int32) for t in result.tokens],
+                behaviour_logprobs=[np.asarray(lp, np.float32) for lp in result.logprobs],
+                rewards=rewards[i].astype(np.float32), weight_version=result.oldest_version,
+                regenerations=int(prompt.record.get("regenerations", 0)),
+                extras={"advantages": advantages[i].astype(np.float32), "valid": valid[i],
+                        "zero_variance": bool(zero_var[i]), "token_versions": result.versions})
+            self.collector.mark_finished(prompt.ordinal)
+            self.buffer.put(group)

@@ -1,0 +1,932 @@
+"""Ahead-of-time compilation for a TPU topology, without a TPU: `grpo-jax compile CONFIG --topology NAME`.
+
+With libtpu installed (`pip install 'jax[tpu]'`), `jax.experimental.topologies` describes the devices of
+any TPU slice (e.g. `v5e:2x4`, or `v5p:4x4x4` with its 16 hosts) on a machine that has none, and XLA
+compiles for them. This module lays a config out on such a topology exactly as the trainer would (actor
+devices cut from each host, one learner mesh across hosts, the same parameter and optimizer-state
+shardings), compiles every program a run executes over abstract parameters (shapes only, no weights),
+and reports per-device memory, cost and a roofline estimate of time:
+
+- the learner step (learner.make_train_step, jitted as Learner does): mini-batches, epochs, micro-batch
+  accumulation, the proximal and reference forward passes, the optimizer update;
+- the sampler's generate program (prefill + phased decode loop), for the rows one handout gives a host;
+- the weight sync. Learner and actor devices are disjoint, and jit runs one program on one device set,
+  so the copy between them is a transfer, not a program: its bytes are counted and its time estimated
+  from the chip's ICI bandwidth. On several hosts the trainer first gathers the full weights onto every
+  learner device (trainer.weights_copy): that gather is a compiled program and is compiled here.
+
+Times are rooflines: for each program max(FLOPs / peak, bytes / HBM bandwidth) per device, from XLA's
+cost analysis. XLA counts a loop body once whatever its trip count, so each loop body (a micro-batch's
+gradient, a decode step) is costed by its own program and multiplied by its trip count. Collectives,
+host work and kernel overheads are not counted: these are lower bounds, and the step projection is the
+time the chips could not beat on this layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from grpo_jax.config import Config
+from grpo_jax.distributed import by_process
+from grpo_jax.errors import ConfigError, UserError
+from grpo_jax.learner import TrainBatch, make_optimizer, make_train_step, token_logprobs
+from grpo_jax.lora import LoraConfig, init_adapters
+from grpo_jax.model import DTYPES, ModelConfig, Transformer, positions_from_mask
+from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits
+from grpo_jax.sharding import DEFAULT_RULES, batch_sharding, make_mesh, spec_for, state_shardings
+
+GIB = 1024 ** 3
+
+
+class TopologyError(UserError):
+    """An unknown topology name, or no TPU compiler (libtpu) installed."""
+
+
+class DoesNotFit(UserError):
+    """A program needs more memory per device than the chip has (or the compiler refused it)."""
+
+    exit_code = 4
+
+
+# ------------------------------------------------------------------------------------------ chips
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Figures of one TPU chip (a device may be half a chip: see Topology.devices_per_chip)."""
+
+    name: str
+    hbm_bytes: float
+    peak_flops: float  # dense bfloat16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    ici_bandwidth: float  # bytes/s into one chip: half the bidirectional per-chip figure
+
+
+# By jax's device_kind. Sources:
+# - v4: https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s); ICI from
+#   https://jax-ml.github.io/scaling-book/tpus/ (4.5e10 B/s one way per link, 6 links in a 3D torus).
+# - v5e: https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 16 GiB at 819 GB/s, 400 GB/s ICI
+#   bidirectional per chip).
+# - v5p: https://cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16, 95 GiB at 2765 GB/s, 1200 GB/s ICI
+#   bidirectional per chip).
+# - v6e: https://cloud.google.com/tpu/docs/v6e (918 TFLOP/s bf16, 32 GB at 1638 GB/s, 800 GB/s ICI
+#   bidirectional per chip).
+CHIPS = {
+    "TPU v4": Chip("TPU v4", 32 * GIB, 275e12, 1200e9, 6 * 45e9),
+    "TPU v5 lite": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, 400e9 / 2),
+    "TPU v5": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, 1200e9 / 2),
+    "TPU v6 lite": Chip("TPU v6e", 32e9, 918e12, 1638e9, 800e9 / 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    devices: tuple
+    chip: Chip
+    devices_per_chip: int  # 2 where each TensorCore is its own device (v4 topologies here)
+
+    @property
+    def processes(self) -> int:
+        return len({d.process_index for d in self.devices})
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.chip.hbm_bytes / self.devices_per_chip
+
+    @property
+    def peak_flops(self) -> float:
+        return self.chip.peak_flops / self.devices_per_chip
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        return self.chip.hbm_bandwidth / self.devices_per_chip
+
+    @property
+    def ici_bandwidth(self) -> float:
+        return self.chip.ici_bandwidth / self.devices_per_chip
+
+
+def tpu_topology(name: str, chips_per_host: str = "") -> Topology:
+    """The devices of a TPU slice named like `v5e:2x4` or `v5p:2x2x2`, described by libtpu (no TPU needed).
+
+    Hosts: `chips_per_host` like "2x4"; by default libtpu's (4 chips per host), except that a v5e or v6e slice
+    of up to 8 chips is one host, as Cloud TPU provisions v5litepod-8 and v6e-8."""
+    from jax.experimental import topologies
+
+    examples = "e.g. v5e:2x4, v5p:2x2x2, v4:2x2x4, v6e:2x4"
+    shape = re.fullmatch(r"(v[0-9a-z]+):(\d+(?:x\d+)+)", name)
+    if not shape:
+        raise TopologyError(f"--topology {name}: expected VERSION:AxB or VERSION:AxBxC ({examples})")
+    dims = [int(n) for n in shape.group(2).split("x")]
+    if not chips_per_host and shape.group(1) in ("v5e", "v6e") and math.prod(dims) <= 8:
+        chips_per_host = shape.group(2)
+    options = {}
+    if chips_per_host:
+        if not re.fullmatch(r"\d+(x\d+){0,2}", chips_per_host):
+            raise TopologyError(f"--chips-per-host {chips_per_host}: expected AxB or AxBxC, e.g. 2x2")
+        bounds = [int(n) for n in chips_per_host.split("x")]
+        options["chips_per_host_bounds"] = tuple(bounds + [1] * (3 - len(bounds)))
+    # libtpu takes /tmp/libtpu_lockfile for one process per TPU host; compiling drives no TPU, so it need not
+    # wait for (or block) another process that loaded libtpu. Read when libtpu loads, at the first description.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        devices = tuple(topologies.get_topology_desc(platform="tpu", topology_name=name, **options).devices)
+    except Exception as e:  # noqa: BLE001 - jax raises bare RuntimeError/ValueError from the plugin
+        if not _has_libtpu():
+            raise TopologyError(f"--topology {name}: the TPU compiler is not installed; install it with "
+                                f"pip install 'jax[tpu]=={jax.__version__}'") from e
+        raise TopologyError(f"--topology {name}{' --chips-per-host ' + chips_per_host if chips_per_host else ''}: "
+                            f"libtpu cannot describe it ({examples}): {str(e).splitlines()[0]}") from e
+    kind = devices[0].device_kind
+    if kind not in CHIPS:
+        raise TopologyError(f"--topology {name}: no chip figures for {kind!r} (known: {', '.join(CHIPS)})")
+    return Topology(name, devices, CHIPS[kind], max(len(devices) // math.prod(dims), 1))
+
+
+def _has_libtpu() -> bool:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one compiled program (XLA's memory_analysis)."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments (counted once)
+    temporaries: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Per-device FLOPs and HBM bytes of one call, and its roofline time on the topology's devices."""
+
+    flops: float
+    bytes: float
+    seconds: float
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds)
+
+    def __mul__(self, times: float) -> "Cost":
+        return Cost(self.flops * times, self.bytes * times, self.seconds * times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    devices: int  # devices it runs on (the sampler: one host's actor devices; every host runs the same)
+    memory: Memory | None  # None when the compiler refused it
+    held: int  # per-device bytes alive on the same devices outside the program (see held_what)
+    held_what: str
+    cost: Cost | None  # per call, loops counted; None when refused
+    calls_per_step: int
+    compile_seconds: float  # this program and the loop-body programs that cost it
+    refusal: str = ""  # the compiler's own words when it refused (RESOURCE_EXHAUSTED)
+    hints: tuple[str, ...] = ()  # settings that make it smaller
+    cost_note: str = ""  # why cost is None although the program compiled
+
+    @property
+    def total(self) -> int | None:
+        return None if self.memory is None else self.memory.total + self.held
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Bytes moved between device sets outside any compiled program (jax.device_put)."""
+
+    name: str
+    bytes_per_device: int  # into each receiving device
+    seconds: float
+    how: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProjection:
+    learner_seconds: float  # learner step + weight sync (the learner thread waits for both)
+    actor_seconds: float  # sampling one step's groups (every host at once)
+    overlapped: bool  # actor and learner on disjoint devices with max_staleness >= 1
+    seconds: float
+    tokens: int  # prompt + completion tokens per step (padded buckets: every completion at max_new_tokens)
+    model_flops: float  # per step, all chips: 6N per trained token, 2N per forward token, attention included
+    mfu: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    config_path: str
+    topology: Topology
+    model: ModelConfig
+    param_count: int
+    layout: str
+    programs: tuple[Program, ...]
+    transfers: tuple[Transfer, ...]
+    step: StepProjection | None  # None when a program does not fit
+
+    def program(self, name: str) -> Program:
+        return next(p for p in self.programs if p.name == name)
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    actor_mesh: jax.sharding.Mesh  # one host's actor devices (every host samples alike)
+    learner_mesh: jax.sharding.Mesh
+    shared: bool  # mesh.actor_devices=0: the actor samples on the learner's devices
+    processes: int
+
+
+def run_layout(config: Config, devices: tuple) -> Layout:
+    """The trainer's device cut and meshes (trainer.split_devices and Trainer.__init__), for the devices
+    of a topology rather than those of this process: host 0's devices stand for every host's."""
+    hosts = by_process(devices)
+    processes, local = len(hosts), list(hosts[0])
+    n = config.mesh.actor_devices
+    if config.grpo.prompts_per_step % processes:
+        raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
+                          f"{processes} hosts (each trains its share of every step)")
+    if n >= len(local):
+        raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(local)} devices per "
+                          "host; use 0 to share all devices between actor and learner)")
+    actor = local if n == 0 else local[:n]
+    learner = list(devices) if n == 0 else [d for host in hosts for d in host[n:]]
+    try:
+        learner_mesh = make_mesh(config.mesh.learner, learner)
+        actor_mesh = make_mesh(config.mesh.actor, actor)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e} (actor: {len(actor)} device(s) per host, learner: {len(learner)})") from e
+    if processes > 1:
+        splits = learner_mesh.shape["data"] * learner_mesh.shape["fsdp"]
+        rows = config.grpo.prompts_per_step // processes * config.grpo.group_size
+        if splits % processes or rows % (splits // processes):
+            raise ConfigError(
+                f"mesh.learner: the batch is split {splits} ways (data x fsdp) over {processes} hosts; each host's "
+                f"{rows} rows (prompts_per_step / hosts x group_size) must split evenly over its share of those devices")
+    return Layout(actor_mesh, learner_mesh, n == 0, processes)
+
+
+def run_model_config(config: Config) -> ModelConfig:
+    """The policy's ModelConfig as the trainer builds it: the checkpoint's config.json for the architecture
+    (no weights are read), the config's model section for how to run it (hf.RUN_SETTINGS)."""
+    if not config.model_path:
+        return config.model
+    from grpo_jax.hf import RUN_SETTINGS, checkpoint_config
+    return dataclasses.replace(checkpoint_config(config.model_path),
+                               **{key: getattr(config.model, key) for key in RUN_SETTINGS})
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def abstract_params(model_config: ModelConfig, mesh: jax.sharding.Mesh):
+    """(graphdef, state) of the model with ShapeDtypeStructs sharded as sharding.shard_module places them."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, nnx.Rngs(0))))
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda s, v: v.replace(jax.ShapeDtypeStruct(v.shape, v.get_value().dtype, sharding=s)),
+                         shardings, state, is_leaf=_is_variable)
+    return graphdef, state
+
+
+def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh: jax.sharding.Mesh):
+    """(graphdef, state) of LoRA adapters (lora.Adapters) with ShapeDtypeStructs sharded as the trainer places
+    them (sharding.shard_module: A like its weight's input, B like its output, the rank replicated)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: init_adapters(model_config, lora)))
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda s, v: v.replace(jax.ShapeDtypeStruct(v.shape, v.get_value().dtype, sharding=s)),
+                         shardings, state, is_leaf=_is_variable)
+    return graphdef, state
+
+
+def abstract_opt_state(optimizer: optax.GradientTransformation, params, replicated: NamedSharding):
+    """The optimizer state's shapes with the trainer's shardings: a moment (zeros_like of a parameter) has
+    its parameter's sharding; anything else (step counts) is replicated on the learner mesh (Trainer._committed)."""
+    by_path = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shapes = jax.eval_shape(optimizer.init, params)
+
+    def place(path, leaf):
+        for start in range(len(path)):
+            param = by_path.get(path[start:])
+            if param is not None and param.shape == leaf.shape:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+
+    return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shard of every abstract array in `tree` (the largest shard: replicated and
+    unevenly split dimensions included)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def full_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# ------------------------------------------------------------------------------------------ compiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    memory: Memory | None
+    cost: Cost | None
+    refusal: str
+    seconds: float
+
+
+def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None) -> Compiled:
+    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`."""
+    start = time.perf_counter()
+    try:
+        compiled = jitted.lower(*args, **(static or {})).compile()
+    except Exception as e:  # noqa: BLE001 - XlaRuntimeError; only the out-of-memory refusal is an answer
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Compiled(None, None, _refusal_line(str(e)), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    memory = Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
+                    stats.temp_size_in_bytes, stats.generated_code_size_in_bytes)
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    return Compiled(memory, roofline(flops, nbytes, topology), "", seconds)
+
+
+def roofline(flops: float, nbytes: float, topology: Topology) -> Cost:
+    return Cost(flops, nbytes, max(flops / topology.peak_flops, nbytes / topology.hbm_bandwidth))
+
+
+def _refusal_line(message: str) -> str:
+    """The compiler's out-of-memory sentence, on one line, without its status code and final period."""
+    text = " ".join(message.split())
+    text = text[text.find("RESOURCE_EXHAUSTED"):].removeprefix("RESOURCE_EXHAUSTED:").strip()
+    end = text.find(". ", text.find("exceeds"))
+    return text[:end if end > 0 else 300].rstrip(".")
+
+
+def refusal_excess(refusal: str) -> str:
+    """'X over' from the compiler's '(NG) exceeds available HBM (MG)', or '' when it says otherwise."""
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    found = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", refusal)
+    if not found:
+        return ""
+    need = float(found.group(1)) * units[found.group(2)]
+    have = float(found.group(3)) * units[found.group(4)]
+    return f"{_size(need - have)} over"
+
+
+# ------------------------------------------------------------------------------------------ the learner
+
+
+def learner_program(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology,
+                    actor_held: int) -> tuple[Program, dict]:
+    """The learner step, jitted as Learner does (make_train_step, donating parameters and moments), over
+    abstract parameters, optimizer state, reference and batch with the trainer's shardings.
+
+    Cost: XLA counts each loop body once, so the step's count is one forward micro-batch per forward pass
+    (proximal, reference) + one gradient micro-batch + one optimizer update. The forward micro-batch and
+    the update are compiled on their own; the gradient micro-batch is the rest of the step's count."""
+    mesh = layout.learner_mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    optim, grpo = config.optim, config.grpo
+    graphdef, params = abstract_params(model_config, mesh)
+    base_graphdef, frozen, dropout_key = None, None, None
+    if config.lora.enabled:
+        # As Learner with adapters: only they train (and have moments); the frozen base is an argument of the
+        # step, never donated, and is the KL reference too.
+        base_graphdef, frozen = graphdef, params
+        graphdef, params = abstract_adapters(model_config, config.lora, mesh)
+        if config.lora.dropout > 0:
+            dropout_key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    optimizer = make_optimizer(optim)
+    opt_state = abstract_opt_state(optimizer, params, replicated)
+    reference = params if config.loss.needs_reference and frozen is None else None
+    step = make_train_step(graphdef, optimizer, config.loss, optim, graphdef if reference is not None else None,
+                           temperature=config.sampler.temperature, base_graphdef=base_graphdef)
+    rows = grpo.prompts_per_step * grpo.group_size
+    prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
+    completion = config.sampler.max_new_tokens
+    # One process feeds an uncommitted batch, which jit replicates over the learner mesh; several processes
+    # assemble it split over data x fsdp (Trainer._learn).
+    rows_sharding = batch_sharding(mesh) if layout.processes > 1 else replicated
+    batch = abstract_batch(rows, prompt_bucket, completion, rows_sharding)
+    # As Learner._step jits it: parameters and moments donated, and returned with the shardings they came in.
+    shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state), None, None)
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
+    whole = compile_one(jitted, (params, opt_state, batch, reference, frozen, dropout_key), topology)
+
+    held, held_what = 0, ""
+    if layout.shared:
+        held, held_what = actor_held, "the actor's copy of the weights"
+    state_bytes = {"params": shard_bytes(params), "opt_state": shard_bytes(opt_state),
+                   "reference": shard_bytes(reference) if reference is not None else 0,
+                   "frozen": shard_bytes(frozen) if frozen is not None else 0}
+    hints = learner_hints(config, model_config, layout, sum(state_bytes.values()) + held, topology)
+    if whole.memory is None:
+        return Program("learner step", mesh.size, None, held, held_what, None, 1, whole.seconds, whole.refusal,
+                       hints), state_bytes
+
+    micro = optim.micro_batch_size
+    forward_rows = micro or rows
+    forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
+    seconds = whole.seconds
+    forward = Cost(0.0, 0.0, 0.0)
+    if forward_passes:
+        micro_batch = abstract_batch(forward_rows, prompt_bucket, completion, _rows_sharding(forward_rows, mesh, layout))
+
+        def forward_logprobs(p, f, b):
+            model, adapters = (nnx.merge(graphdef, p), None) if f is None else \
+                (nnx.merge(base_graphdef, f), nnx.merge(graphdef, p))
+            return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len,
+                                  temperature=config.sampler.temperature or 1.0, adapters=adapters)[0]
+
+        compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology)
+        seconds += compiled.seconds
+        if compiled.cost is None:
+            return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                            cost_note=f"a forward micro-batch alone was refused: {compiled.refusal}"), state_bytes)
+        forward = compiled.cost
+
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    compiled = compile_one(jax.jit(update, donate_argnums=(1, 2)), (grads, opt_state, params), topology)
+    seconds += compiled.seconds
+    if compiled.cost is None:
+        return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                        cost_note=f"the optimizer update alone was refused: {compiled.refusal}"), state_bytes)
+    optimizer_cost = compiled.cost
+    gradient = roofline(max(whole.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
+                        max(whole.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
+    mini_rows = rows // optim.mini_batches
+    gradient_micros = optim.updates_per_step * (mini_rows // micro if micro else 1)
+    cost = (forward * (forward_passes * (rows // forward_rows)) + gradient * gradient_micros
+            + optimizer_cost * optim.updates_per_step)
+    return Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints), state_bytes
+
+
+def abstract_batch(rows: int, prompt_len: int, completion_len: int, sharding: NamedSharding) -> TrainBatch:
+    """A TrainBatch of ShapeDtypeStructs, as learner.pack_batch lays it out."""
+    length = prompt_len + completion_len
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.bool_),
+                      loss_mask=sds((rows, length - 1), jnp.float32), advantages=sds((rows,), jnp.float32),
+                      behaviour_logprobs=sds((rows, length - 1), jnp.float32), completion_len=completion_len)
+
+
+def _rows_sharding(rows: int, mesh, layout: Layout) -> NamedSharding:
+    splits = mesh.shape["data"] * mesh.shape["fsdp"]
+    if layout.processes > 1 and rows % splits == 0:
+        return batch_sharding(mesh)
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def learner_hints(config: Config, model_config: ModelConfig, layout: Layout, state: int,
+                  topology: Topology) -> tuple[str, ...]:
+    """Settings that shrink the learner step, the ones that can help first: activations do not matter while
+    the parameters and moments (`state`, per device) alone exceed the device."""
+    optim, mesh = config.optim, layout.learner_mesh
+    spread = (f"a larger mesh.learner.fsdp (now {mesh.shape['fsdp']}) over more learner devices "
+              f"(mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice)")
+    reference = ["loss.kl_coef=0 (no reference copy)"] if config.loss.needs_reference and not config.lora.enabled else []
+    if state > topology.hbm_bytes:
+        lora = [] if config.lora.enabled else ["lora.rank=16 (adapters on a frozen base: no moments for its weights)"]
+        return (f"{spread}: parameters and optimizer state alone take {_size(state)}B per device", *reference, *lora)
+    hints = [] if model_config.remat else ["model.remat=true"]
+    mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
+    micro = optim.micro_batch_size or mini_rows
+    if micro > 1:
+        smaller = next(m for m in range(micro // 2, 0, -1) if mini_rows % m == 0)
+        new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
+        hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits, "
+                     f"[{micro}, {new}, {vocab}], are {_size(4 * micro * new * vocab)}B before any split)")
+    return (*hints, spread, *reference)
+
+
+# ------------------------------------------------------------------------------------------ the sampler
+
+
+def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology,
+                    learner_held: int) -> Program:
+    """The sampler's generate program for one handout on one host (Sampler.generate's buckets and row
+    split into decode_streams calls), over abstract weights on the actor mesh. Another sampler or engine
+    replaces this function.
+
+    Cost: the generate program's decode loops stop when every row is done, so their trip counts are not
+    known to XLA (which counts each body once). The prefill and a decode step are compiled on their own
+    (decode_cost) and the decode step is counted for every token up to max_new_tokens: the worst case,
+    every row running to the limit."""
+    cfg, mesh = config.sampler, layout.actor_mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    graphdef, state = abstract_params(model_config, mesh)
+    adapter_graphdef, adapters = None, None
+    if config.lora.enabled:  # the actor's own base, plus the adapters each sync brings
+        adapter_graphdef, adapters = abstract_adapters(model_config, config.lora, mesh)
+    sampler, head = _abstract_sampler(graphdef, state, cfg, adapter_graphdef, adapters)
+    head = jax.ShapeDtypeStruct(head.shape, head.dtype,
+                                sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
+    rows = config.grpo.prompts_per_step // layout.processes * config.grpo.group_size
+    calls = min(cfg.decode_streams, rows)
+    batch = _bucket(-(-rows // calls), cfg.min_batch_bucket)
+    longest = min(config.data.max_prompt_len, cfg.max_prompt_len)
+    plen = min(_bucket(longest, cfg.min_prompt_bucket), cfg.max_prompt_len)
+    new_bucket = _bucket(cfg.max_new_tokens, 1)
+    greedy = cfg.temperature == 0
+    static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else cfg.top_k,
+                  use_top_p=(not greedy) and cfg.top_p < 1)
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+    args = (state, head, sds((batch, plen), jnp.int32), sds((batch, plen), jnp.bool_), sds((batch,), jnp.bool_),
+            sds(keys.shape, keys.dtype), sds((), jnp.int32), sds((), jnp.float32), sds((), jnp.float32))
+    whole = compile_one(sampler._generate, args, topology, dict(static, adapters=adapters))
+
+    weights = shard_bytes(state)
+    # The learner delivers new weights (with LoRA, adapters) while the actor still samples with the old ones.
+    held, held_what = weights, "the next weights, delivered while sampling"
+    if adapters is not None:
+        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
+    if whole.memory is not None and calls > 1:
+        held += (calls - 1) * whole.memory.outputs
+        held_what += f", outputs of the other {calls - 1} call(s)"
+    if layout.shared:
+        held += learner_held
+        held_what += ", the learner's parameters and optimizer state"
+    hints = sampler_hints(config, model_config, layout, weights, topology)
+    if whole.memory is None:
+        return Program("sampler generate", mesh.size, None, held, held_what, None, calls, whole.seconds,
+                       whole.refusal, hints)
+
+    steps = decode_cost(graphdef, model_config, state, head, cfg, static, batch, plen, new_bucket, mesh, topology,
+                        adapter_graphdef, adapters)
+    return Program("sampler generate", mesh.size, whole.memory, held, held_what, steps.cost, calls,
+                   whole.seconds + steps.seconds, "", hints, cost_note=steps.note)
+
+
+def _abstract_sampler(graphdef, state, cfg, adapter_graphdef=None, adapters=None) -> tuple[Sampler, jax.ShapeDtypeStruct]:
+    """A Sampler for abstract weights, and the shape of its vocab-major head. The Sampler derives its head
+    from concrete weights when it is built, so it is built under eval_shape; only its jitted program is
+    used afterwards, with abstract arguments. Token ids (eos, pad) do not change the program's shapes."""
+    made = []
+
+    def build(state, adapters):
+        lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+        made.append(Sampler(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, adapters=lora))
+        return made[0]._head
+
+    head = jax.eval_shape(build, state, adapters)
+    return made[0], head
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timed:
+    cost: Cost | None
+    seconds: float
+    note: str
+
+
+def decode_cost(graphdef, model_cfg: ModelConfig, state, head, cfg, static: dict, batch: int, plen: int,
+                new_bucket: int, mesh, topology: Topology, adapter_graphdef=None, adapters=None) -> _Timed:
+    """Prefill + every decode step of one generate call: the loop bodies of Sampler._generate_impl, from the
+    same model and sampling code, compiled on their own. A decode step costs a + b x (cache length): one step
+    compiled at the steps-weighted mean cache length of the phases, times the number of steps, is the sum
+    over the phases. cost is None if the compiler refused one of them (`note` says which)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sample = functools.partial(sample_logits, vocab_major=True, greedy=static["greedy"], top_k=static["top_k"],
+                               use_top_p=static["use_top_p"])
+
+    def head_logits(head, h):
+        return jnp.einsum("ve,be->vb", head, h, preferred_element_type=jnp.float32)
+
+    def lora(adapters):
+        return None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+
+    def prefill(state, head, tokens, mask, u, temperature, top_p, adapters):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask,
+                                            model.init_cache(*tokens.shape), 0, adapters=lora(adapters))
+        return sample(head_logits(head, hidden[:, -1]), u, temperature, top_p), cache
+
+    def decode(state, head, prev, positions, key_mask, cache, slot, u, temperature, top_p, adapters):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.hidden_states(prev, positions, key_mask, cache, slot, adapters=lora(adapters))
+        return sample(head_logits(head, hidden[:, 0]), u, temperature, top_p), cache
+
+    def sds(shape, dtype, sharding=replicated):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    scalars = (sds((batch,), jnp.float32), sds((), jnp.float32), sds((), jnp.float32))
+    first = compile_one(jax.jit(prefill), (state, head, sds((batch, plen), jnp.int32),
+                                          sds((batch, plen), jnp.bool_), *scalars, adapters), topology)
+    if first.cost is None:
+        return _Timed(None, first.seconds, f"the prefill alone was refused: {first.refusal}")
+    steps, weighted, start = 0, 0, 1
+    for end in _phase_ends(new_bucket, cfg.decode_phases):
+        phase_steps = max(min(end, cfg.max_new_tokens) - start, 0)
+        steps, weighted, start = steps + phase_steps, weighted + phase_steps * (plen + end), max(start, end)
+    if not steps:
+        return _Timed(first.cost, first.seconds, "")
+    length = round(weighted / steps)
+    shape = (batch, model_cfg.num_kv_heads, length, model_cfg.resolved_head_dim)
+    cache_sharding = kv_cache_sharding(mesh, model_cfg.num_kv_heads)
+    cache = tuple((sds(shape, DTYPES[model_cfg.dtype], cache_sharding),) * 2 for _ in range(model_cfg.num_layers))
+    # The cache is updated in place, as in the generate loop: donated, and returned with the same layout.
+    jitted = jax.jit(decode, donate_argnums=(5,), out_shardings=((replicated, replicated), cache_sharding))
+    step = compile_one(jitted, (state, head, sds((batch, 1), jnp.int32), sds((batch, 1), jnp.int32),
+                                sds((batch, length), jnp.bool_), cache, sds((), jnp.int32), *scalars, adapters),
+                       topology)
+    if step.cost is None:
+        return _Timed(None, first.seconds + step.seconds, f"one decode step alone was refused: {step.refusal}")
+    return _Timed(first.cost + step.cost * steps, first.seconds + step.seconds, "")
+
+
+def kv_cache_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> NamedSharding:
+    """The KV cache's layout in the generate loop, as the compiler chooses it: KV heads split over the tensor
+    axis; with fewer KV heads than tensor devices, each head on the group of tensor/kv_heads devices whose query
+    heads use it. (A decode step handed the cache replicated instead copies all of it every step.)"""
+    t = mesh.shape["tensor"]
+    if kv_heads % t == 0:
+        return NamedSharding(mesh, PartitionSpec(None, "tensor"))
+    if t % kv_heads:
+        return NamedSharding(mesh, PartitionSpec())
+    grouped = jax.sharding.Mesh(mesh.devices.reshape(mesh.shape["data"], mesh.shape["fsdp"], kv_heads, t // kv_heads),
+                                ("data", "fsdp", "kv_heads", "kv_replicas"), axis_types=(AxisType.Auto,) * 4)
+    return NamedSharding(grouped, PartitionSpec(None, "kv_heads"))
+
+
+def sampler_hints(config: Config, model_config: ModelConfig, layout: Layout, weights: int,
+                  topology: Topology) -> tuple[str, ...]:
+    """Settings that shrink the generate program, the ones that can help first: the weights (per device, in
+    model.param_dtype, held twice while new ones arrive) before the KV cache and activations."""
+    cfg, mesh = config.sampler, layout.actor_mesh
+    spread = (f"a larger mesh.actor.tensor (now {mesh.shape['tensor']}) over more actor devices "
+              f"(mesh.actor_devices={config.mesh.actor_devices})")
+    if 2 * weights > topology.hbm_bytes:
+        return (f"{spread}: the actor's weights (model.param_dtype={model_config.param_dtype}) take {_size(weights)}B "
+                "per device, twice while new ones arrive",)
+    return (f"fewer rows per call (grpo.prompts_per_step={config.grpo.prompts_per_step} lower, or "
+            f"sampler.decode_streams={cfg.decode_streams} higher)",
+            f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len} (the KV "
+            "cache)", spread)
+
+
+# ------------------------------------------------------------------------------------------ the weight sync
+
+
+def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, learner_state: dict,
+               actor_weights: int, lora: LoraConfig = LoraConfig()) -> tuple[list[Program], list[Transfer]]:
+    """The learner's new weights onto the actor's layout after every step (trainer.weights_copy); with LoRA
+    the adapters only (the actor holds its own copy of the frozen base from the start).
+
+    One host: one jax.device_put from the learner's shards onto the actor's (disjoint) devices, a
+    transfer. Several hosts: the gather onto every learner device (a compiled program, with one full copy
+    of the weights per learner device), then each host's copy from one local replica onto its actor devices."""
+    if lora.enabled:
+        _, params = abstract_adapters(model_config, lora, layout.learner_mesh)
+        _, actor_state = abstract_adapters(model_config, lora, layout.actor_mesh)
+    else:
+        _, params = abstract_params(model_config, layout.learner_mesh)
+        _, actor_state = abstract_params(model_config, layout.actor_mesh)
+    actor_in = shard_bytes(actor_state)
+    n_actor, n_learner = layout.actor_mesh.size, layout.learner_mesh.size
+    if layout.processes == 1:
+        seconds = max(actor_in, actor_in * n_actor / n_learner) / topology.ici_bandwidth
+        return [], [Transfer("weight sync copy", actor_in, seconds,
+                             "device_put from the learner's shards onto the actor's devices, at the ICI figure")]
+    replicated = NamedSharding(layout.learner_mesh, PartitionSpec())
+    compiled = compile_one(jax.jit(lambda tree: tree, out_shardings=replicated), (params,), topology)
+    held = learner_state["opt_state"] + learner_state["reference"] + learner_state["frozen"]
+    held_what = "optimizer state" + (" and reference" if learner_state["reference"] else "") + \
+        (" and the frozen base" if learner_state["frozen"] else "")
+    if layout.shared:
+        held += actor_weights
+        held_what += ", the actor's copy of the weights"
+    cost = None
+    if compiled.cost is not None:
+        gathered = full_bytes(params) - shard_bytes(params)  # into each learner device, over ICI
+        cost = Cost(compiled.cost.flops, compiled.cost.bytes,
+                    max(compiled.cost.seconds, gathered / topology.ici_bandwidth))
+    hints = (f"no setting but model.param_dtype (now {model_config.param_dtype}): the trainer gathers one full copy "
+             f"of the parameters ({_size(full_bytes(params))}B) onto every learner device",)
+    gather = Program("weight sync gather", n_learner, compiled.memory, held, held_what, cost, 1, compiled.seconds,
+                     compiled.refusal, hints)
+    # From one local replica: that device sends every actor device its shard.
+    copy = Transfer("weight sync copy", actor_in, actor_in * n_actor / topology.ici_bandwidth,
+                    "device_put on each host from one local replica onto its actor devices, at the ICI figure")
+    return [gather], [copy]
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+
+def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -> float:
+    """Useful FLOPs of one GRPO step, all hosts: 2 per weight per token forward (6 with the backward), plus
+    attention (4 x layers x heads x head_dim per token per key attended), at the padded bucket lengths.
+    Remat's recomputation and replicated work are not useful FLOPs. With LoRA the base's weights get no
+    gradient: 4 per weight per trained token (forward and input gradient); the adapters' few FLOPs are
+    not counted."""
+    rows = config.grpo.prompts_per_step * config.grpo.group_size
+    prompt = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
+    new = config.sampler.max_new_tokens
+    head = model.hidden_size * model.vocab_size
+    body = param_count - head * (1 if model.tie_embeddings else 2)  # the embedding lookup does no matmul
+    attention = 4 * model.num_layers * model.num_heads * model.resolved_head_dim
+
+    def forward(tokens: int, scored: int, keys: float) -> float:
+        return 2 * body * tokens + attention * tokens * keys + 2 * head * scored
+
+    length = prompt + new - 1
+    learner_row = forward(length, new, length / 2)
+    optim = config.optim
+    extra_forwards = (optim.updates_per_step > 1) + config.loss.needs_reference
+    learner = rows * learner_row * (3 * optim.epochs + extra_forwards)
+    if config.lora.enabled:
+        learner -= rows * optim.epochs * (2 * body * length + 2 * head * new)  # no weight gradients
+    sampler = rows * (forward(prompt, 1, prompt / 2) + (new - 1) * forward(1, 1, prompt + new / 2))
+    return learner + sampler
+
+
+def project_step(config: Config, model: ModelConfig, param_count: int, layout: Layout, topology: Topology,
+                 programs: list[Program], transfers: list[Transfer]) -> StepProjection | None:
+    if any(p.cost is None for p in programs):
+        return None
+    learner = next(p for p in programs if p.name == "learner step")
+    sampler = next(p for p in programs if p.name == "sampler generate")
+    gathers = sum(p.cost.seconds for p in programs if p.name == "weight sync gather")
+    learner_seconds = learner.cost.seconds + gathers + sum(t.seconds for t in transfers)
+    actor_seconds = sampler.cost.seconds * sampler.calls_per_step
+    overlapped = not layout.shared and config.grpo.max_staleness > 0
+    seconds = max(learner_seconds, actor_seconds) if overlapped else learner_seconds + actor_seconds
+    rows = config.grpo.prompts_per_step * config.grpo.group_size
+    tokens = rows * (min(config.data.max_prompt_len, config.sampler.max_prompt_len) + config.sampler.max_new_tokens)
+    flops = model_flops_per_step(config, model, param_count)
+    mfu = flops / (seconds * len(topology.devices) * topology.peak_flops)
+    return StepProjection(learner_seconds, actor_seconds, overlapped, seconds, tokens, flops, mfu)
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "") -> Report:
+    """Lay `config` out on the topology as the trainer would and compile every program of a run."""
+    if config.sampler.engine != "static":
+        raise ConfigError(f"sampler.engine={config.sampler.engine}: grpo-jax compile compiles the static sampler only; "
+                          "set sampler.engine=static")
+    topology = tpu_topology(topology_name, chips_per_host)
+    model = run_model_config(config)
+    layout = run_layout(config, topology.devices)
+    _, actor_state = abstract_params(model, layout.actor_mesh)
+    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(actor_state))
+    # What the other side keeps on shared devices (mesh.actor_devices=0): the actor's weights and head.
+    head_bytes = model.vocab_size * model.hidden_size * np.dtype(DTYPES[model.dtype]).itemsize
+    actor_bytes = shard_bytes(actor_state) + head_bytes // layout.actor_mesh.shape["tensor"]
+    # A persistent compilation cache cannot load executables compiled for a described topology (there is no
+    # TPU client): it would only write entries and warn.
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        learner, learner_state = learner_program(config, model, layout, topology, actor_bytes)
+        sampler = sampler_program(config, model, layout, topology, sum(learner_state.values()))
+        gather, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    programs = [learner, sampler, *gather]
+    step = project_step(config, model, param_count, layout, topology, programs, transfers)
+    return Report(config_path, topology, model, param_count, describe_layout(layout), tuple(programs),
+                  tuple(transfers), step)
+
+
+def describe_layout(layout: Layout) -> str:
+    def axes(mesh) -> str:
+        return ", ".join(f"{name} {size}" for name, size in mesh.shape.items())
+
+    actor = "the learner's devices" if layout.shared else f"{layout.actor_mesh.size} device(s)"
+    return (f"actor (every host): {actor}, {{{axes(layout.actor_mesh)}}}; learner: {layout.learner_mesh.size} "
+            f"device(s) over {layout.processes} host(s), {{{axes(layout.learner_mesh)}}}")
+
+
+def _size(n: float | None) -> str:
+    """Bytes, short: 15.8G, 412M, 36K."""
+    if n is None:
+        return "-"
+    for unit, scale in (("T", 2 ** 40), ("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}" if abs(n) < 100 * scale else f"{n / scale:.0f}{unit}"
+    return f"{n:.0f}"
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def _count(n: float | None) -> str:
+    """FLOPs, short: 1.2P, 35T, 980G."""
+    if n is None:
+        return "-"
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def format_report(report: Report) -> str:
+    t, m = report.topology, report.model
+    hosts = f"{t.processes} host{'s' if t.processes > 1 else ''}"
+    lines = [
+        f"{report.config_path or 'config'} on {t.name}: {len(t.devices)} {t.chip.name} devices, {hosts}; per device "
+        f"{_size(t.hbm_bytes)}B HBM, {t.peak_flops / 1e12:.0f} TFLOP/s bf16, {t.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
+        f"{t.ici_bandwidth / 1e9:.0f} GB/s ICI in",
+        f"model: {m.architecture}, {_count(report.param_count)} parameters, {m.num_layers} layers, weights "
+        f"{m.param_dtype}, compute {m.dtype}, remat {str(m.remat).lower()}",
+        report.layout,
+        "",
+        "per device: memory in bytes (args + out - alias + temp + code + held = total); FLOPs and HBM bytes per call",
+        f"{'program':<20}{'devices':>8}{'args':>7}{'out':>7}{'alias':>7}{'temp':>7}{'code':>7}{'held':>7}"
+        f"{'total':>7}{'HBM':>7}{'fits':>6}{'FLOPs':>8}{'bytes':>8}{'roofline':>11}{'calls':>6}{'compile':>9}",
+    ]
+    for p in report.programs:
+        mem, cost = p.memory, p.cost
+        fits = "no" if p.total is None or p.total > t.hbm_bytes else "yes"
+        lines.append(
+            f"{p.name:<20}{p.devices:>8}{_size(mem and mem.arguments):>7}{_size(mem and mem.outputs):>7}"
+            f"{_size(mem and mem.aliased):>7}{_size(mem and mem.temporaries):>7}{_size(mem and mem.code):>7}"
+            f"{_size(p.held):>7}{_size(p.total):>7}{_size(t.hbm_bytes):>7}{fits:>6}"
+            f"{_count(cost and cost.flops):>8}{_size(cost and cost.bytes):>8}{_time(cost and cost.seconds):>11}"
+            f"{p.calls_per_step:>6}{p.compile_seconds:>8.1f}s")
+    for p in report.programs:
+        if p.held:
+            lines.append(f"  {p.name}: held = {p.held_what}")
+        if p.refusal:
+            lines.append(f"  {p.name}: refused by the compiler: {p.refusal}")
+        if p.cost_note:
+            lines.append(f"  {p.name}: no time estimate: {p.cost_note}")
+    for x in report.transfers:
+        lines.append(f"{x.name}: {_size(x.bytes_per_device)}B into each actor device, {_time(x.seconds)} ({x.how}; "
+                     "a transfer, not a compiled program)")
+    s = report.step
+    lines.append("")
+    if s is None:
+        lines.append("projected step: none (a program does not fit, or has no time estimate)")
+    else:
+        mode = "overlapped: disjoint devices, max_staleness >= 1" if s.overlapped else "one after the other"
+        lines.append(f"projected step: {_time(s.seconds)} (learner + weight sync {_time(s.learner_seconds)}, actor "
+                     f"{_time(s.actor_seconds)}; {mode}); {s.tokens / s.seconds:,.0f} tokens/s ({s.tokens:,} prompt + "
+                     f"completion tokens per step at the bucket lengths); MFU {100 * s.mfu:.1f}% "
+                     f"({_count(s.model_flops)} model FLOPs per step)")
+    lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth) per loop body, times its trip count (decode: "
+                 "every row to max_new_tokens); collectives and host work are not counted: a lower bound")
+    return "\n".join(lines)
+
+
+def check_fits(report: Report) -> None:
+    """DoesNotFit, one line: each program that does not fit, by how much, and the settings that would help."""
+    t = report.topology
+    problems = []
+    for p in report.programs:
+        if p.memory is None:
+            excess = refusal_excess(p.refusal)
+            problems.append(f"{p.name} refused by the compiler{', ' + excess if excess else ''} ({p.refusal}); "
+                            "try " + ", ".join(p.hints))
+        elif p.total > t.hbm_bytes:
+            problems.append(f"{p.name} needs {_size(p.total)}B per device, {_size(p.total - t.hbm_bytes)}B over the "
+                            f"{_size(t.hbm_bytes)}B of a {t.chip.name} device; try " + ", ".join(p.hints))
+    if problems:
+        raise DoesNotFit(f"does not fit on {t.name}: " + "; ".join(problems))

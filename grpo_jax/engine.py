@@ -1,0 +1,650 @@
+"""Continuous-batching rollout engine: slots, one prefill per prompt shared by its samples, in-flight updates.
+
+The static sampler (grpo_jax.sampler) runs one batch until its longest row ends, prefills every prompt once
+per sample, and takes new weights only between calls. With long-tailed completion lengths most of its rows
+sit finished while a few run on. This engine keeps a fixed number of sequences in flight instead:
+
+- Slots. `slots` sequences decode together, in jitted chunks of `chunk_steps` steps. Between chunks the
+  host refills the slots whose sequence ended (eos or its token limit) with waiting samples, streams out
+  every group whose G samples have all finished, and may swap in new weights.
+- One prefill per prompt. A group's prompt is prefilled once per chunk boundary at which its samples get
+  slots (normally once), and its keys/values are copied into each of those slots; the first token of every
+  sample is drawn from that one prefill's logits.
+- Ring KV cache. Each slot has L = max_prompt_len + max_new_tokens cache columns used as a ring: decode step
+  t of a bank writes column t % L for every slot at once (one dynamic_update_slice, as in the static
+  sampler), and a sequence's keys are the run of columns ending at the current one, marked in key_mask.
+  A new sequence's prompt goes into the L columns just before the current one, so slots can start at any
+  step. A sequence spans at most max_prompt_len + max_new_tokens - 1 columns, so it never overwrites itself.
+  Attention is permutation-invariant over keys (RoPE is applied before caching), so the ring order is free.
+- Exactness. Sample i of a group draws token t from fold_in(keys[i], t), exactly as the static sampler's row
+  does, so which slot (or bank, or chunk) a sample lands in does not change what it draws, up to float noise
+  between batch shapes (a draw within rounding of a CDF boundary can flip).
+- In-flight weight updates. update_params(state, version) takes effect at the next device call: sequences
+  in flight keep their keys/values (computed by older weights) and go on with the new weights. Every token
+  carries the version of the weights that produced its logits and its log-prob under them (the behaviour
+  policy of that token). With inflight_updates off, new weights wait until the slots have drained, and no
+  new sequence starts meanwhile.
+- Programs (jit once): the decode chunk (one per bank shape and sampling mode), the admission
+  (prefill + copy into slots + first token; one per power-of-two group count and prompt bucket) and the
+  empty state. Weights, temperature, top-p and token limits are runtime values.
+- Streams. The slots are split into `decode_streams` banks, each with its own state and clock, run from
+  their own threads (XLA's CPU runtime overlaps separate executions; use 1 stream on an accelerator).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.model import positions_from_mask, rope_inverse_frequencies
+from grpo_jax.sampler import SampleResult, Sampler, SamplerConfig, _bucket, sample_logits, vocab_major_head
+
+DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
+MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
+
+
+class SlotState(NamedTuple):
+    """One bank's slots on the device (S slots, L ring columns)."""
+
+    cache: tuple  # per layer (k, v), each [S, KV, L, D]: keys/values of each slot's sequence, in ring columns
+    key_mask: jax.Array  # [S, L] bool: the ring columns that hold a key of the slot's current sequence
+    last_token: jax.Array  # [S] int32: the token sampled last, fed to the model at the next step
+    position: jax.Array  # [S] int32: RoPE position of last_token (the number of tokens before it)
+    generated: jax.Array  # [S] int32: tokens the slot's sequence has drawn, i.e. the index of its next draw
+    limit: jax.Array  # [S] int32: the sequence's max_new_tokens
+    done: jax.Array  # [S] bool: no sequence, or it ended (eos or limit): the slot idles until refilled
+    keys: jax.Array  # [S, 2] uint32: raw key data of the sequence; token t draws from fold_in(key, t)
+    clock: jax.Array  # [] int32: decode steps this bank has run; step t writes ring column t % L
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How tokens are drawn: the static parts select the compiled programs."""
+
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int
+
+    @property
+    def static(self) -> dict:
+        greedy = self.temperature == 0
+        return dict(greedy=greedy, top_k=0 if greedy else self.top_k, use_top_p=(not greedy) and self.top_p < 1)
+
+    @property
+    def scalars(self) -> tuple:
+        return np.float32(self.temperature or 1.0), np.float32(self.top_p)
+
+
+@dataclasses.dataclass
+class GroupResult:
+    """The finished samples of one submitted prompt, in sample order."""
+
+    tag: Any  # what submit() was given
+    tokens: list  # G arrays [n_i] int32: the completion (an eos included)
+    logprobs: list  # G arrays [n_i] float32: each token's log-prob under the weights that drew it
+    versions: list  # G arrays [n_i] int32: the weight version that drew each token
+    finish_reasons: list  # G of "stop" (eos) or "length"
+
+    @property
+    def oldest_version(self) -> int:
+        """The group's weight version for the staleness bound: the oldest among its tokens."""
+        return min(int(v.min()) for v in self.versions if len(v))
+
+    @property
+    def version_spread(self) -> int:
+        return max(int(v.max()) for v in self.versions if len(v)) - self.oldest_version
+
+
+@dataclasses.dataclass
+class _Request:
+    """A submitted prompt whose samples are waiting for slots or in flight (host side)."""
+
+    prompt: np.ndarray  # [P] int32
+    keys: np.ndarray  # [G, 2] uint32 raw key data, one per sample
+    max_new: int
+    tag: Any
+    placed: int = 0  # samples given a slot so far (in sample order)
+    finished: int = 0
+    pieces: list = dataclasses.field(default_factory=list)  # per sample: [(tokens, logprobs, version), ...]
+    finish_reasons: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.pieces = [[] for _ in range(len(self.keys))]
+        self.finish_reasons = [""] * len(self.keys)
+
+
+@dataclasses.dataclass
+class _Occupant:
+    request: _Request
+    sample: int  # index within the request's samples
+    generated: int = 0  # tokens recorded on the host so far
+
+
+@dataclasses.dataclass
+class _Bank:
+    state: SlotState
+    occupants: list  # [S] _Occupant or None
+
+
+@dataclasses.dataclass
+class _Admission:
+    """What one bank admits at a chunk boundary: the prompts to prefill and the slots they go to."""
+
+    requests: list  # distinct requests prefilled (rows of the prefill batch)
+    entries: list  # (slot, row in requests, sample index)
+
+
+class Engine:
+    """Slot-based generation with continuous batching; see the module docstring. Not thread-safe: one thread
+    (the actor) drives it."""
+
+    def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None,
+                 *, slots: int = 0, adapters: nnx.Module | None = None, version: int = 0):
+        self.config = config or SamplerConfig()
+        problems = self.config.validate()
+        if problems:
+            raise ValueError("invalid sampler config: " + "; ".join(problems))
+        cfg = self.config
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.pad_id = int(pad_id)
+        self.vocab_size = model.config.vocab_size
+        self.graphdef, self.state = nnx.split(model)
+        self._head = vocab_major_head(self.graphdef, self.state)
+        self.adapter_graphdef, self.adapters = nnx.split(adapters) if adapters is not None else (None, None)
+        self.version = int(version)
+        self._pending: tuple | None = None  # (state, version) held back while inflight_updates is off
+        self.sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        total = slots or cfg.slots or DEFAULT_SLOTS
+        self.num_banks = min(cfg.decode_streams, total)
+        self.bank_slots = -(-total // self.num_banks)  # every bank the same shape: one compiled chunk program
+        self.ring = cfg.max_prompt_len + cfg.max_new_tokens
+        self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
+        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=(3,))
+        self._resize = jax.jit(self._resize_impl)
+        self._chunk = jax.jit(self._chunk_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
+                              donate_argnums=(3,))
+        self._compiled: set = set()
+        empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1))(self.bank_slots, self.ring)
+        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, [None] * self.bank_slots)
+                       for b in range(self.num_banks)]
+        # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
+        # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
+        # sequences can outlive a chunk: otherwise every slot ends within the chunk it started in anyway, and
+        # the smaller banks would only be more programs to compile.
+        self.min_bank_slots = min(MIN_BANK_SLOTS, self.bank_slots)
+        self.shrink = cfg.max_new_tokens > cfg.chunk_steps
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(self.num_banks - 1, 1), thread_name_prefix="engine")
+        self.stats = collections.Counter()  # running totals, see metrics()
+        self._static: Sampler | None = None  # for generate() while busy, see there
+
+    # -- weights --------------------------------------------------------------------------------------
+
+    def update_params(self, model_or_state, version: int | None = None) -> None:
+        """New trained weights, as Sampler.update_params takes them (the model or its nnx.State; with LoRA
+        adapters, the adapters), and their version (default: one more). Used from the next device call on, with
+        sequences in flight; with inflight_updates off, once the slots have drained. Same structure: no
+        recompile."""
+        if isinstance(model_or_state, nnx.Module):
+            _, model_or_state = nnx.split(model_or_state)
+        version = self.version + 1 if version is None else int(version)
+        if self.config.inflight_updates or self.active_slots == 0:
+            self._swap(model_or_state, version)
+        else:
+            self._pending = (model_or_state, version)
+
+    def _swap(self, state, version: int) -> None:
+        if self.adapter_graphdef is not None:
+            self.adapters = state  # the base weights stay
+        else:
+            self.state, self._head = state, vocab_major_head(self.graphdef, state)
+        self.version = version
+        self._pending = None
+
+    # -- queue ----------------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], keys, tag: Any = None, max_new_tokens: int | None = None) -> None:
+        """Queue one prompt with one key per sample (typed keys or raw uint32 key data [G, 2]); its group
+        comes back from step() once every sample has finished."""
+        cfg = self.config
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if len(prompt) == 0:
+            raise ValueError("submit: the prompt is empty")
+        if len(prompt) > cfg.max_prompt_len:
+            raise ValueError(f"submit: the prompt has {len(prompt)} tokens, more than max_prompt_len={cfg.max_prompt_len}")
+        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if not 1 <= max_new <= cfg.max_new_tokens:
+            raise ValueError(f"submit: max_new_tokens={max_new}: must be in 1..{cfg.max_new_tokens} (the KV ring "
+                             "is sized for sampler.max_new_tokens)")
+        if hasattr(keys, "dtype") and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.key_data(keys)
+        keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+        if len(keys) == 0:
+            raise ValueError("submit: needs at least one key (one per sample)")
+        self._waiting.append(_Request(prompt, keys, max_new, tag))
+
+    @property
+    def active_slots(self) -> int:
+        return sum(o is not None for bank in self._banks for o in bank.occupants)
+
+    @property
+    def free_slots(self) -> int:
+        return self.num_banks * self.bank_slots - self.active_slots
+
+    @property
+    def waiting_samples(self) -> int:
+        """Samples submitted and not yet given a slot."""
+        return sum(len(r.keys) - r.placed for r in self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or self.active_slots > 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_banks * self.bank_slots
+
+    def close(self) -> None:
+        """Stop the bank threads once their current work ends (idempotent)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._static is not None:
+            self._static.close()
+
+    # -- running --------------------------------------------------------------------------------------
+
+    def step(self) -> list[GroupResult]:
+        """One chunk boundary and one chunk: fill free slots with waiting samples (prefilling their prompts),
+        decode every bank with a live slot for up to chunk_steps steps, and return the groups that finished."""
+        start = time.perf_counter()
+        if self._pending is not None and self.active_slots == 0:
+            self._swap(*self._pending)
+        admissions = []
+        for bank in self._banks:
+            if self._pending is None and self._waiting and len(bank.occupants) < self.bank_slots:
+                self._resize_bank(bank, self.bank_slots)
+            admissions.append(self._plan(bank) if self._pending is None else None)
+        state, head, adapters, version = self.state, self._head, self.adapters, self.version
+        calls = [(bank, admission) for bank, admission in zip(self._banks, admissions)
+                 if admission is not None or any(o is not None for o in bank.occupants)]
+
+        def run(call):
+            bank, admission = call
+            first = None
+            if admission is not None:
+                first = self._run_admission(bank, admission, state, head, adapters)
+            return first, self._run_chunk(bank, state, head, adapters)
+
+        keys = set().union(*(self._program_keys(bank, admission) for bank, admission in calls))
+        if len(calls) > 1 and keys <= self._compiled:
+            futures = [self._pool.submit(run, call) for call in calls[1:]]
+            outs = [run(calls[0])] + [f.result() for f in futures]
+        else:  # a program's first call runs alone, so that two threads never trace it twice
+            outs = [run(call) for call in calls]
+            self._compiled |= keys
+        finished = []
+        for (bank, admission), (first, chunk) in zip(calls, outs):
+            finished += self._record(bank, admission, first, chunk, version)
+        for bank in self._banks if self.shrink else ():
+            live = sum(o is not None for o in bank.occupants)
+            size = len(bank.occupants)
+            while not self._waiting and size > self.min_bank_slots and live <= size // 2:
+                size //= 2
+                self._resize_bank(bank, size)  # halving only: one resize program per size
+        self.stats["seconds"] += time.perf_counter() - start
+        return finished
+
+    def generate(self, prompts: list[list[int]], keys, *, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None) -> SampleResult:
+        """Sampler.generate's interface: one completion per prompt, keys as there (an int seed or [B] per-row
+        keys). Rows with identical prompts share one prefill. With requests in flight (an evaluation between
+        two chunks of training rollouts), or a token limit beyond the engine's KV ring, the static Sampler
+        does the work on the same weights: it draws the same tokens (up to float noise), and the slots in
+        flight are left as they are."""
+        cfg = self.config
+        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if self.busy or max_new > cfg.max_new_tokens:
+            return self._static_sampler().generate(prompts, keys, max_new_tokens=max_new, temperature=temperature,
+                                                   top_p=top_p, top_k=top_k)
+        sampling = Sampling(temperature=cfg.temperature if temperature is None else float(temperature),
+                            top_p=cfg.top_p if top_p is None else float(top_p),
+                            top_k=cfg.top_k if top_k is None else int(top_k))
+        problems = dataclasses.replace(cfg, temperature=sampling.temperature, top_p=sampling.top_p,
+                                       top_k=sampling.top_k).validate()
+        if problems:
+            raise ValueError("invalid sampling arguments: " + "; ".join(problems))
+        if sampling.top_k > self.vocab_size:
+            raise ValueError(f"top_k={sampling.top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("generate needs at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > cfg.max_prompt_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_prompt_len={cfg.max_prompt_len}")
+        if isinstance(keys, (int, np.integer)):
+            keys = jax.random.split(jax.random.key(int(keys)), n)
+        if hasattr(keys, "dtype") and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.key_data(keys)
+        keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+        if len(keys) != n:
+            raise ValueError(f"got {len(keys)} keys for {n} prompts")
+        rows_of: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prompts):
+            rows_of.setdefault(tuple(int(t) for t in p), []).append(i)
+        saved, self.sampling = self.sampling, sampling
+        try:
+            for prompt, rows in rows_of.items():
+                self.submit(prompt, keys[rows], tag=rows, max_new_tokens=max_new)
+            results = []
+            while self.busy:
+                results += self.step()
+        finally:
+            self.sampling = saved
+        tokens = np.full((n, max_new), self.pad_id, np.int32)
+        logprobs = np.zeros((n, max_new), np.float32)
+        lengths = np.zeros(n, np.int32)
+        reasons = [""] * n
+        for result in results:
+            for row, toks, lps, reason in zip(result.tag, result.tokens, result.logprobs, result.finish_reasons):
+                tokens[row, :len(toks)], logprobs[row, :len(toks)] = toks, lps
+                lengths[row], reasons[row] = len(toks), reason
+        return SampleResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finish_reasons=reasons,
+                            prompt_lengths=np.array([len(p) for p in prompts], np.int32))
+
+    def _static_sampler(self) -> Sampler:
+        """A static Sampler on this engine's current weights (built once; it shares the arrays)."""
+        if self._static is None:
+            adapters = None if self.adapter_graphdef is None else nnx.merge(self.adapter_graphdef, self.adapters)
+            self._static = Sampler(nnx.merge(self.graphdef, self.state), self.eos_ids, self.pad_id, self.config,
+                                   adapters=adapters)
+        self._static.state, self._static._head, self._static.adapters = self.state, self._head, self.adapters
+        return self._static
+
+    def warm_up(self, group_size: int = 1) -> int:
+        """Compile, up front, every program a run with groups of `group_size` samples can use: the decode chunk
+        for every bank size, the bank resizes, and the admission for every prompt bucket and every power-of-two
+        count of prompts one bank can take at a boundary (partly placed groups included). Runs them on a
+        throwaway bank. Returns how many programs were compiled; afterwards a run compiles nothing."""
+        if self.busy:
+            raise RuntimeError("warm_up() needs an idle engine")
+        before = self.num_compilations
+        cfg = self.config
+        sizes = [self.bank_slots]
+        while self.shrink and sizes[-1] // 2 >= self.min_bank_slots:
+            sizes.append(sizes[-1] // 2)
+        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len) for n in range(1, cfg.max_prompt_len + 1)})
+        most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
+        rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
+        bank = _Bank(jax.jit(self._empty_state_impl, static_argnums=(0, 1))(self.bank_slots, self.ring),
+                     [None] * self.bank_slots)
+        dummy = _Request(np.zeros(1, np.int32), np.zeros((1, 2), np.uint32), 1, None)
+        for plen in plens:
+            for count in rows:
+                prompt = np.full(plen, self.pad_id, np.int32)
+                self._run_admission(bank, _Admission([dataclasses.replace(dummy, prompt=prompt)] * count, []),
+                                    self.state, self._head, self.adapters)
+        for size in sizes:  # full, then halved one step at a time, as step() does
+            if size != self.bank_slots:
+                self._resize_bank(bank, size)
+            self._run_chunk(bank, self.state, self._head, self.adapters)
+        for size in sizes[1:]:  # and back to full from every size
+            while len(bank.occupants) > size:
+                self._resize_bank(bank, len(bank.occupants) // 2)
+            self._resize_bank(bank, self.bank_slots)
+        static = tuple(sorted(self.sampling.static.items()))
+        self._compiled |= {("chunk", size, static) for size in sizes}
+        self._compiled |= {("admit", (count, plen), static) for plen in plens for count in rows}
+        return self.num_compilations - before
+
+    def metrics(self) -> dict:
+        """Running totals since the engine was built: slot occupancy (live slot-steps over decoded slot-steps),
+        prefill tokens computed and saved by sharing, tokens generated, and tokens/s while stepping."""
+        s = self.stats
+        return {"engine/slot_occupancy": s["live_slot_steps"] / max(s["slot_steps"], 1),
+                "engine/prefill_tokens": int(s["prefill_tokens"]),
+                "engine/prefill_tokens_saved": int(s["prefill_tokens_saved"]),
+                "engine/generated_tokens": int(s["generated_tokens"]),
+                "engine/tokens_per_s": s["generated_tokens"] / max(s["seconds"], 1e-9)}
+
+    # -- host side of a boundary -------------------------------------------------------------------------
+
+    def _plan(self, bank: _Bank) -> _Admission | None:
+        """Give this bank's free slots to waiting samples, oldest request first (a request's samples in
+        order, possibly over several boundaries)."""
+        free = [s for s, o in enumerate(bank.occupants) if o is None]
+        requests, entries = [], []
+        while free and self._waiting:
+            request = self._waiting[0]
+            row = len(requests)
+            requests.append(request)
+            while free and request.placed < len(request.keys):
+                slot = free.pop(0)
+                entries.append((slot, row, request.placed))
+                bank.occupants[slot] = _Occupant(request, request.placed)
+                request.placed += 1
+            if request.placed == len(request.keys):
+                self._waiting.popleft()
+        return _Admission(requests, entries) if entries else None
+
+    def _resize_bank(self, bank: _Bank, size: int) -> None:
+        """Rebuild the bank with `size` slots: its live slots first (in order), then empty ones."""
+        live = [s for s, o in enumerate(bank.occupants) if o is not None]
+        index = np.full(size, -1, np.int32)
+        index[:len(live)] = live
+        bank.state = self._resize(bank.state, index)
+        bank.occupants = [bank.occupants[s] for s in live] + [None] * (size - len(live))
+
+    def _admission_shapes(self, admission: _Admission) -> tuple[int, int]:
+        cfg = self.config
+        rows = min(_bucket(len(admission.requests), 1), self.bank_slots)
+        longest = max(len(r.prompt) for r in admission.requests)
+        return rows, min(_bucket(longest, cfg.min_prompt_bucket), cfg.max_prompt_len)
+
+    def _program_keys(self, bank: _Bank, admission: _Admission | None) -> set:
+        static = tuple(sorted(self.sampling.static.items()))
+        keys = {("chunk", len(bank.occupants), static)}
+        if admission is not None:
+            keys.add(("admit", self._admission_shapes(admission), static))
+        return keys
+
+    def _run_admission(self, bank: _Bank, admission: _Admission, state, head, adapters):
+        rows, plen = self._admission_shapes(admission)
+        s = len(bank.occupants)
+        tokens = np.full((rows, plen), self.pad_id, np.int32)
+        mask = np.zeros((rows, plen), bool)
+        mask[len(admission.requests):, -1] = True  # dummy rows: one (pad) token, so none attends to nothing
+        for r, request in enumerate(admission.requests):
+            tokens[r, plen - len(request.prompt):] = request.prompt
+            mask[r, plen - len(request.prompt):] = True
+        slot = np.full(s, s, np.int32)  # s: out of range, dropped (an unused entry)
+        source = np.zeros(s, np.int32)
+        keys = np.zeros((s, 2), np.uint32)
+        limit = np.ones(s, np.int32)
+        for e, (slot_index, row, sample) in enumerate(admission.entries):
+            request = admission.requests[row]
+            slot[e], source[e], keys[e], limit[e] = slot_index, row, request.keys[sample], request.max_new
+        bank.state, first_token, first_logprob = self._admit(
+            state, head, adapters, bank.state, tokens, mask, slot, source, keys, limit, *self.sampling.scalars,
+            **self.sampling.static)
+        return first_token, first_logprob
+
+    def _run_chunk(self, bank: _Bank, state, head, adapters):
+        bank.state, tokens, logprobs, steps = self._chunk(
+            state, head, adapters, bank.state, *self.sampling.scalars, steps=self.config.chunk_steps,
+            **self.sampling.static)
+        return jax.device_get((tokens, logprobs, bank.state.generated, bank.state.done, steps))
+
+    def _record(self, bank: _Bank, admission: _Admission | None, first, chunk, version: int) -> list[GroupResult]:
+        """Host bookkeeping after a bank's admission and chunk: append each slot's new tokens (with the weight
+        version that drew them), free the slots whose sequence ended, and return the groups now complete."""
+        stats = self.stats
+        if admission is not None:
+            first_token, first_logprob = jax.device_get(first)
+            for e, (slot, row, sample) in enumerate(admission.entries):
+                occupant = bank.occupants[slot]
+                occupant.request.pieces[sample].append((first_token[e:e + 1], first_logprob[e:e + 1], version))
+                occupant.generated = 1
+            prefilled = sum(len(r.prompt) for r in admission.requests)
+            stats["prefill_tokens"] += prefilled
+            stats["prefill_tokens_saved"] += sum(len(admission.requests[row].prompt)
+                                                 for _, row, _ in admission.entries) - prefilled
+            stats["generated_tokens"] += len(admission.entries)
+        tokens, logprobs, generated, done, steps = chunk
+        stats["slot_steps"] += len(bank.occupants) * int(steps)
+        finished = []
+        for slot, occupant in enumerate(bank.occupants):
+            if occupant is None:
+                continue
+            new = int(generated[slot]) - occupant.generated
+            if new:
+                occupant.request.pieces[occupant.sample].append((tokens[slot, :new], logprobs[slot, :new], version))
+                occupant.generated += new
+                stats["live_slot_steps"] += new
+                stats["generated_tokens"] += new
+            if done[slot]:
+                bank.occupants[slot] = None
+                request = occupant.request
+                last = int(request.pieces[occupant.sample][-1][0][-1])
+                request.finish_reasons[occupant.sample] = "stop" if last in self.eos_ids else "length"
+                request.finished += 1
+                if request.finished == len(request.keys):
+                    finished.append(self._result(request))
+        return finished
+
+    @staticmethod
+    def _result(request: _Request) -> GroupResult:
+        tokens, logprobs, versions = [], [], []
+        for pieces in request.pieces:
+            tokens.append(np.concatenate([p[0] for p in pieces]).astype(np.int32))
+            logprobs.append(np.concatenate([p[1] for p in pieces]).astype(np.float32))
+            versions.append(np.concatenate([np.full(len(p[0]), p[2], np.int32) for p in pieces]))
+        return GroupResult(tag=request.tag, tokens=tokens, logprobs=logprobs, versions=versions,
+                           finish_reasons=list(request.finish_reasons))
+
+    # -- device programs ------------------------------------------------------------------------------
+
+    def _empty_state_impl(self, slots: int, ring: int) -> SlotState:
+        self.num_compilations += 1  # runs only while tracing
+        model = nnx.merge(self.graphdef, self.state)
+        return SlotState(cache=model.init_cache(slots, ring), key_mask=jnp.zeros((slots, ring), bool),
+                         last_token=jnp.full((slots,), self.pad_id, jnp.int32),
+                         position=jnp.zeros((slots,), jnp.int32), generated=jnp.zeros((slots,), jnp.int32),
+                         limit=jnp.ones((slots,), jnp.int32), done=jnp.ones((slots,), bool),
+                         keys=jnp.zeros((slots, 2), jnp.uint32), clock=jnp.zeros((), jnp.int32))
+
+    def _resize_impl(self, state: SlotState, index) -> SlotState:
+        """A bank of len(index) slots: slot i is the old slot index[i], or an empty one where index[i] < 0."""
+        self.num_compilations += 1
+        take = jnp.maximum(index, 0)
+        empty = index < 0
+        # An empty slot's cache and key mask are left as found: admission overwrites both.
+        return SlotState(cache=jax.tree.map(lambda x: x[take], state.cache), key_mask=state.key_mask[take],
+                         last_token=state.last_token[take], position=state.position[take],
+                         generated=state.generated[take], limit=state.limit[take],
+                         done=state.done[take] | empty, keys=state.keys[take], clock=state.clock)
+
+    def _draw(self, keys, index):
+        """[S] uniforms: token `index[s]` of slot s draws from fold_in(key[s], index[s]), as in the static sampler."""
+        return jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
+
+    def _admit_impl(self, params, head, adapters, state: SlotState, tokens, mask, slot, source, keys, limit,
+                    temperature, top_p, *, greedy, top_k, use_top_p):
+        """Prefill the prompts [R, P] once, copy each entry's prompt keys/values into its slot (the P ring
+        columns before the current one), and draw every entry's first token. Entries e: prompt row
+        source[e] -> slot slot[e] (slot == S: unused), with its key and token limit."""
+        self.num_compilations += 1
+        model = nnx.merge(self.graphdef, params)
+        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        rows, plen = tokens.shape
+        hidden, prefill = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(rows, plen), 0,
+                                              adapters=lora)
+        logits = jnp.einsum("ve,re->vr", head, hidden[:, -1], preferred_element_type=jnp.float32)
+        token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
+                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
+        ring = state.key_mask.shape[1]
+        columns = (state.clock - plen + jnp.arange(plen)) % ring  # the plen columns before the current one
+        at = (slot[:, None], slice(None), columns[None, :], slice(None))
+
+        def place(cache, new):  # new [R, KV, P, D] -> entries' slots; indexing puts [E, P] first: [E, P, KV, D]
+            return cache.at[at].set(new[source].transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+
+        cache = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.cache, prefill))
+        key_mask = state.key_mask.at[slot].set(False, mode="drop")
+        key_mask = key_mask.at[slot[:, None], columns[None, :]].set(mask[source], mode="drop")
+        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+
+        def put(x, value):
+            return x.at[slot].set(value, mode="drop")
+
+        state = SlotState(cache=cache, key_mask=key_mask, last_token=put(state.last_token, token),
+                          position=put(state.position, mask.sum(-1).astype(jnp.int32)[source]),
+                          generated=put(state.generated, 1), limit=put(state.limit, limit),
+                          done=put(state.done, jnp.isin(token, eos) | (limit <= 1)), keys=put(state.keys, keys),
+                          clock=state.clock)
+        return state, token, logprob
+
+    def _chunk_impl(self, params, head, adapters, state: SlotState, temperature, top_p, *, steps, greedy, top_k,
+                    use_top_p):
+        """Up to `steps` decode steps for every slot (stopping early once all are done). Returns the new state
+        and each slot's tokens and log-probs of this chunk ([S, steps]; a live slot's new tokens are a prefix
+        of its row) and the steps run."""
+        self.num_compilations += 1
+        model = nnx.merge(self.graphdef, params)
+        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        slots, ring = state.key_mask.shape
+        eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
+        inv_freq = rope_inverse_frequencies(model.config)
+
+        def body(carry):
+            j, st, out_tokens, out_logprobs = carry
+            column = st.clock % ring
+            key_mask = jax.lax.dynamic_update_slice(st.key_mask, jnp.ones((slots, 1), bool), (0, column))
+            # The model's layers with this ring's mask (model.hidden_states builds a causal mask from the write
+            # index, which a ring does not follow): every key marked in key_mask precedes the current token.
+            x = model.embed[st.last_token[:, None]].astype(model.compute_dtype)
+            cache = []
+            for i, layer in enumerate(model.layers):
+                x, layer_cache = layer(x, st.position[:, None], key_mask[:, None, :], inv_freq, st.cache[i], column,
+                                       None if lora is None else lora.layers[i])
+                cache.append(layer_cache)
+            hidden = model.final_norm(x)[:, 0]
+            logits = jnp.einsum("ve,se->vs", head, hidden, preferred_element_type=jnp.float32)
+            token, logprob = sample_logits(logits, self._draw(st.keys, st.generated), temperature, top_p,
+                                           greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
+            live = ~st.done
+            token = jnp.where(live, token, self.pad_id)
+            out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, j))
+            out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, j))
+            generated = st.generated + live
+            done = st.done | (live & jnp.isin(token, eos)) | (generated >= st.limit)
+            st = st._replace(cache=tuple(cache), key_mask=key_mask, last_token=jnp.where(live, token, st.last_token),
+                             position=st.position + live, generated=generated, done=done, clock=st.clock + 1)
+            return j + 1, st, out_tokens, out_logprobs
+
+        def cond(carry):
+            j, st, _, _ = carry
+            return (j < steps) & ~jnp.all(st.done)
+
+        out = (jnp.int32(0), state, jnp.full((slots, steps), self.pad_id, jnp.int32),
+               jnp.zeros((slots, steps), jnp.float32))
+        j, state, out_tokens, out_logprobs = jax.lax.while_loop(cond, body, out)
+        return state, out_tokens, out_logprobs, j
+
+
+def make_generator(model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig, *,
+                   adapters: nnx.Module | None = None, slots: int = 0, version: int = 0) -> Sampler | Engine:
+    """The actor's generator for sampler.engine: a continuous Engine (`slots` when sampler.slots is 0, weights
+    of `version`) or the static Sampler."""
+    if config.engine == "continuous":
+        return Engine(model, eos_ids, pad_id, config, slots=config.slots or slots, adapters=adapters, version=version)
+    return Sampler(model, eos_ids, pad_id, config, adapters=adapters)

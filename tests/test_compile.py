@@ -1,0 +1,146 @@
+"""`grpo-jax compile`: every program of a run compiled for a TPU topology on this CPU machine (libtpu from
+the jax[tpu] test extra; without it these tests fail, they do not skip)."""
+
+import json
+import math
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from grpo_jax.aot import DoesNotFit, compile_run, format_report, model_flops_per_step
+from grpo_jax.cli import main
+from grpo_jax.config import Config
+from grpo_jax.config_io import load_config
+from grpo_jax.errors import CheckpointError
+from grpo_jax.hf import checkpoint_config, load_hf_model
+from grpo_jax.model import Transformer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_cpu.yaml")
+SHAPES = REPO / "configs" / "shapes"
+# Two actor devices (tensor 2) and two learner devices (fsdp 2) per host; four updates per step (two
+# mini-batches, two epochs) of two micro-batches each, so every loop of the learner step runs more than once.
+SMALL = ["grpo.prompts_per_step=8", "grpo.group_size=4", "optim.mini_batches=2", "optim.epochs=2",
+         "optim.micro_batch_size=8", "mesh.actor_devices=2", "mesh.actor.tensor=2", "mesh.actor.fsdp=1",
+         "mesh.learner.fsdp=2", "sampler.decode_streams=1"]
+
+
+def tiny(*overrides: str) -> Config:
+    return load_config(Config, TINY, [*SMALL, *overrides])
+
+
+@pytest.fixture(scope="module")
+def one_host():
+    return compile_run(tiny(), "v5e:2x2")
+
+
+TWO_HOSTS = ["mesh.learner.fsdp=4"]  # two learner devices on each host
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    return compile_run(tiny(*TWO_HOSTS), "v5p:2x2x2")
+
+
+def param_bytes(config: Config) -> int:
+    model = nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_one_host_compiles_every_program(one_host):
+    assert one_host.topology.processes == 1 and len(one_host.topology.devices) == 4
+    assert [p.name for p in one_host.programs] == ["learner step", "sampler generate"]
+    assert [t.name for t in one_host.transfers] == ["weight sync copy"]
+    for program in one_host.programs:
+        assert program.memory is not None and not program.refusal
+        assert 0 < program.total < one_host.topology.hbm_bytes
+        assert program.cost.flops > 0 and program.cost.bytes > 0 and program.cost.seconds > 0
+    step = one_host.step
+    assert step.overlapped and step.seconds == max(step.learner_seconds, step.actor_seconds)
+    assert 0 < step.mfu < 1
+    text = format_report(one_host)
+    for name in ("learner step", "sampler generate", "weight sync copy", "projected step", "MFU"):
+        assert name in text
+
+
+def test_memory_covers_the_sharded_state(one_host):
+    config = tiny()
+    weights = param_bytes(config)
+    learner = one_host.program("learner step")
+    # Parameters and both AdamW moments, split over the two learner devices at best; the batch on top.
+    assert learner.memory.arguments >= 3 * weights / 2
+    # Parameters and moments are donated: the new ones are written over them.
+    assert learner.memory.aliased >= 3 * weights / 2
+    sampler = one_host.program("sampler generate")
+    assert sampler.memory.arguments >= weights / 2
+    assert sampler.held >= weights / 2  # the next weights arrive while it samples
+
+
+def test_costs_count_every_loop_iteration(one_host):
+    """XLA counts a loop body once; the report multiplies each body by its trip count. Summed over the
+    devices, the learner does at least the model FLOPs of its 4 updates x 2 micro-batches (6 per weight
+    per token) and the sampler at least 2 per weight per generated token: counting each loop once would
+    fall far short of both."""
+    config = tiny()
+    count = one_host.param_count
+    rows = config.grpo.prompts_per_step * config.grpo.group_size
+    length = config.data.max_prompt_len + config.sampler.max_new_tokens
+    trained = 6 * count * rows * length * config.optim.epochs
+    learner = one_host.program("learner step")
+    assert trained <= learner.cost.flops * learner.devices <= 4 * trained
+    sampled = 2 * count * rows * config.sampler.max_new_tokens
+    sampler = one_host.program("sampler generate")
+    assert sampled <= sampler.cost.flops * sampler.devices <= 8 * sampled
+    assert model_flops_per_step(config, config.model, count) == pytest.approx(one_host.step.model_flops)
+
+
+def test_two_hosts_gather_the_weights_for_the_actor(two_hosts):
+    assert two_hosts.topology.processes == 2 and len(two_hosts.topology.devices) == 8
+    assert [p.name for p in two_hosts.programs] == ["learner step", "sampler generate", "weight sync gather"]
+    weights = param_bytes(tiny(*TWO_HOSTS))
+    gather = two_hosts.program("weight sync gather")
+    assert gather.devices == 4  # two learner devices on each of the two hosts
+    assert gather.memory.outputs >= weights  # one full copy per learner device
+    assert gather.held >= 2 * weights / 4  # the moments stay where they are
+    learner = two_hosts.program("learner step")
+    assert learner.memory.arguments >= 3 * weights / 4
+    assert two_hosts.step is not None and two_hosts.step.seconds > 0
+
+
+def test_oversized_config_is_refused_in_one_line(capsys):
+    # A 10B-parameter layer: its float32 weights alone need 20 GiB on each of the two 16 GiB actor devices,
+    # with the moments 60 GiB on each learner device.
+    code = main(["compile", TINY, *SMALL, "model.num_layers=1", "model.hidden_size=16384", "model.num_heads=128",
+                 "model.num_kv_heads=8", "model.intermediate_size=196608", "--topology", "v5e:2x2"])
+    assert code == DoesNotFit.exit_code != 0
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("grpo-jax: error:")]
+    assert len(errors) == 1, captured.err
+    assert errors[0].startswith("grpo-jax: error: does not fit on v5e:2x2: learner step ")
+    assert "mesh.learner.fsdp" in errors[0]
+    assert "learner step" in captured.out  # the report is printed before the refusal
+
+
+def test_unknown_topology_is_a_one_line_error(capsys):
+    assert main(["compile", TINY, "--topology", "v5e-8"]) == 2
+    assert "expected VERSION:AxB" in capsys.readouterr().err
+
+
+PUBLISHED = {  # parameter counts of the public checkpoints
+    "Qwen2.5-0.5B-Instruct": 0.494e9, "Qwen2.5-1.5B-Instruct": 1.544e9, "Qwen2.5-7B-Instruct": 7.616e9,
+    "Qwen2.5-32B-Instruct": 32.76e9, "Llama-3.1-8B-Instruct": 8.030e9, "Llama-3.1-70B-Instruct": 70.55e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shape_files_describe_the_public_models_without_weights(name):
+    directory = SHAPES / name
+    config = checkpoint_config(directory)
+    model = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
+    assert count == pytest.approx(PUBLISHED[name], rel=2e-3)
+    assert json.loads((directory / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(CheckpointError, match="no weights"):
+        load_hf_model(directory)
