@@ -29,6 +29,7 @@ Contract with the learner (grpo_jax.trainer):
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,15 +37,14 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.advantages import group_advantages
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
+from grpo_jax.engine import Engine, GroupResult
 from grpo_jax.ledger import global_ordinal
 from grpo_jax.replay_buffer import Group, ReplayBuffer
-from grpo_jax.engine import Engine, GroupResult
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.sampler import Sampler
 from grpo_jax.tokenizer import Tokenizer
@@ -89,6 +89,14 @@ class Actor:
         self.bad_rows = 0
         self.first_bad_row: str | None = None  # "reason: detail (epoch e, dataset_index i)"
         self._side_jobs: queue.SimpleQueue = queue.SimpleQueue()  # see submit_side_job
+        # Both jitted for one fixed shape, a handout of groups (padded): the engine finishes groups a few at a
+        # time, and eager ops (or a program per group count) cost more host time than the rest of the bookkeeping.
+        g = config.grpo.group_size
+        self._rows = collector.handout_size
+        self._advantages = jax.jit(functools.partial(group_advantages, baseline=config.grpo.baseline,
+                                                     scale_by_std=config.grpo.scale_by_std))
+        self._keys = jax.jit(jax.vmap(lambda base, ordinal, regenerations: jax.random.key_data(
+            jax.random.split(group_key(base, ordinal, regenerations), g)), in_axes=(None, 0, 0)))
         self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
 
     # -- called from the learner thread --
@@ -200,8 +208,9 @@ class Actor:
         engine = self.sampler
         if engine.waiting_samples < engine.free_slots + self.config.grpo.group_size:
             prompts = self._keep_good(self._admit())
-            for prompt, keys in zip(prompts, self._sample_keys(prompts)):
-                engine.submit(prompt.record["prompt_ids"], keys, tag=prompt)
+            if prompts:
+                for prompt, keys in zip(prompts, self._sample_keys(prompts)):
+                    engine.submit(prompt.record["prompt_ids"], keys, tag=prompt)
         if not engine.busy:
             self._wait_for_newer_weights()
             return
@@ -263,13 +272,33 @@ class Actor:
                 good.append(prompt)
         return good
 
-    def _sample_keys(self, prompts: list[Prompt]) -> list[jax.Array]:
-        """[G] keys per prompt, from the global ordinal (with several processes the collector counts this process's
-        own) and the regeneration count: what a sample draws does not depend on where or when it is generated."""
+    def _sample_keys(self, prompts: list[Prompt]) -> np.ndarray:
+        """[prompts, G, 2] raw key data: sample j of a prompt gets split(group_key(base, global ordinal,
+        regenerations), G)[j] (with several processes the collector counts this process's own ordinals), so what
+        a sample draws does not depend on where or when it is generated."""
         n, index = jax.process_count(), jax.process_index()
-        return [jax.random.split(group_key(self.base_key, global_ordinal(p.ordinal, index, n),
-                                           p.record.get("regenerations", 0)), self.config.grpo.group_size)
-                for p in prompts]
+        out = [np.zeros((0, self.config.grpo.group_size, 2), np.uint32)]
+        for start in range(0, len(prompts), self._rows):
+            part = prompts[start:start + self._rows]
+            ordinals = np.zeros(self._rows, np.uint32)
+            regenerations = np.zeros(self._rows, np.uint32)
+            ordinals[:len(part)] = [global_ordinal(p.ordinal, index, n) for p in part]
+            regenerations[:len(part)] = [p.record.get("regenerations", 0) for p in part]
+            out.append(np.asarray(self._keys(self.base_key, ordinals, regenerations))[:len(part)])
+        return np.concatenate(out)
+
+    def _group_advantages(self, rewards: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """group_advantages over [groups, G], in padded blocks of a handout (one compiled shape)."""
+        advantages, zero_var = [], []
+        for start in range(0, len(rewards), self._rows):
+            r = np.zeros((self._rows, rewards.shape[1]), np.float32)
+            v = np.zeros(r.shape, bool)
+            n = len(rewards[start:start + self._rows])
+            r[:n], v[:n] = rewards[start:start + n], valid[start:start + n]
+            a, z = jax.device_get(self._advantages(r, v))
+            advantages.append(a[:n])
+            zero_var.append(z[:n])
+        return np.concatenate(advantages), np.concatenate(zero_var)
 
     def _process(self, prompts: list[Prompt]) -> None:
         """Static: generate a handout as one batch, then finish its groups together."""
@@ -278,7 +307,7 @@ class Actor:
             return
         g = self.config.grpo.group_size
         version = self._version
-        keys = jnp.stack(self._sample_keys(good)).reshape(-1)
+        keys = self._sample_keys(good).reshape(-1, 2)
         prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
         start = time.perf_counter()
         result = self.sampler.generate(prompt_ids, keys)
@@ -307,9 +336,7 @@ class Actor:
         rewards = scored.rewards.reshape(len(prompts), g)
         valid = ~scored.failed.reshape(len(prompts), g)
         overlong = np.array([[reason == "length" for reason in r.finish_reasons] for r in results])
-        advantages, zero_var = group_advantages(rewards, valid=valid, baseline=cfg.baseline,
-                                                scale_by_std=cfg.scale_by_std)
-        advantages, zero_var = np.asarray(advantages), np.asarray(zero_var)
+        advantages, zero_var = self._group_advantages(rewards, valid)
         for i, (prompt, result) in enumerate(zip(prompts, results)):
             reason = None
             if valid[i].sum() < 2:

@@ -68,13 +68,15 @@ class Chip:
     """Figures of one TPU chip (a device may be half a chip: see Topology.devices_per_chip)."""
 
     name: str
-    hbm_bytes: float
+    hbm_bytes: float  # what XLA lets programs use: the nominal capacity less what libtpu reserves
     peak_flops: float  # dense bfloat16 FLOP/s
     hbm_bandwidth: float  # bytes/s
     ici_bandwidth: float  # bytes/s into one chip: half the bidirectional per-chip figure
 
 
-# By jax's device_kind. Sources:
+# By jax's device_kind. Usable HBM: the "available HBM" of the compiler's own out-of-memory refusals
+# (libtpu 0.0.42, from jax[tpu]==0.10.2), per device: v4 15.25G (a device is one of a chip's two
+# TensorCores), v5e 15.75G, v5p 95.74G, v6e 31.25G. The rest, from Google's published figures:
 # - v4: https://cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GB/s); ICI from
 #   https://jax-ml.github.io/scaling-book/tpus/ (4.5e10 B/s one way per link, 6 links in a 3D torus).
 # - v5e: https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 16 GiB at 819 GB/s, 400 GB/s ICI
@@ -84,10 +86,10 @@ class Chip:
 # - v6e: https://cloud.google.com/tpu/docs/v6e (918 TFLOP/s bf16, 32 GB at 1638 GB/s, 800 GB/s ICI
 #   bidirectional per chip).
 CHIPS = {
-    "TPU v4": Chip("TPU v4", 32 * GIB, 275e12, 1200e9, 6 * 45e9),
-    "TPU v5 lite": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, 400e9 / 2),
-    "TPU v5": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, 1200e9 / 2),
-    "TPU v6 lite": Chip("TPU v6e", 32e9, 918e12, 1638e9, 800e9 / 2),
+    "TPU v4": Chip("TPU v4", 2 * 15.25 * GIB, 275e12, 1200e9, 6 * 45e9),
+    "TPU v5 lite": Chip("TPU v5e", 15.75 * GIB, 197e12, 819e9, 400e9 / 2),
+    "TPU v5": Chip("TPU v5p", 95.74 * GIB, 459e12, 2765e9, 1200e9 / 2),
+    "TPU v6 lite": Chip("TPU v6e", 31.25 * GIB, 918e12, 1638e9, 800e9 / 2),
 }
 
 

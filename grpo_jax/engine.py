@@ -113,25 +113,32 @@ class _Request:
     tag: Any
     placed: int = 0  # samples given a slot so far (in sample order)
     finished: int = 0
-    pieces: list = dataclasses.field(default_factory=list)  # per sample: [(tokens, logprobs, version), ...]
-    finish_reasons: list = dataclasses.field(default_factory=list)
+    # Per sample, once finished: (tokens [n] int32, logprobs [n] float32, versions [n] int32, finish reason).
+    samples: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        self.pieces = [[] for _ in range(len(self.keys))]
-        self.finish_reasons = [""] * len(self.keys)
+        self.samples = [None] * len(self.keys)
 
 
-@dataclasses.dataclass
-class _Occupant:
-    request: _Request
-    sample: int  # index within the request's samples
-    generated: int = 0  # tokens recorded on the host so far
-
-
-@dataclasses.dataclass
 class _Bank:
-    state: SlotState
-    occupants: list  # [S] _Occupant or None
+    """A bank's device state and its host mirror: which sample each slot holds and what it has drawn so far."""
+
+    def __init__(self, state, slots: int, max_new: int):
+        self.state = state
+        self.occupants: list = [None] * slots  # (request, sample index) or None
+        self.generated = np.zeros(slots, np.int32)  # tokens of the slot's sample recorded here
+        self.tokens = np.zeros((slots, max_new), np.int32)
+        self.logprobs = np.zeros((slots, max_new), np.float32)
+        self.versions = np.zeros((slots, max_new), np.int32)  # the weight version that drew each token
+
+    def take(self, index: np.ndarray) -> None:
+        """Keep the host rows `index` (in that order; -1: a new empty slot)."""
+        keep = index >= 0
+        self.occupants = [self.occupants[i] if i >= 0 else None for i in index]
+        for name in ("generated", "tokens", "logprobs", "versions"):
+            rows = getattr(self, name)[np.maximum(index, 0)]
+            rows[~keep] = 0
+            setattr(self, name, rows)
 
 
 @dataclasses.dataclass
@@ -171,9 +178,10 @@ class Engine:
         self._resize = jax.jit(self._resize_impl)
         self._chunk = jax.jit(self._chunk_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
                               donate_argnums=(3,))
-        self._compiled: set = set()
-        empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1))(self.bank_slots, self.ring)
-        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, [None] * self.bank_slots)
+        self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1))
+        self._compiled: set = set()  # program keys called at least once (see step)
+        empty = self._empty(self.bank_slots, self.ring)
+        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens)
                        for b in range(self.num_banks)]
         # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
         # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
@@ -247,6 +255,11 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self._waiting) or self.active_slots > 0
+
+    @property
+    def bank_sizes(self) -> list[int]:
+        """Each bank's current number of slots (halved while draining, back to full when work arrives)."""
+        return [len(bank.occupants) for bank in self._banks]
 
     @property
     def num_slots(self) -> int:
@@ -385,8 +398,7 @@ class Engine:
         plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len) for n in range(1, cfg.max_prompt_len + 1)})
         most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
         rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
-        bank = _Bank(jax.jit(self._empty_state_impl, static_argnums=(0, 1))(self.bank_slots, self.ring),
-                     [None] * self.bank_slots)
+        bank = _Bank(self._empty(self.bank_slots, self.ring), self.bank_slots, cfg.max_new_tokens)
         dummy = _Request(np.zeros(1, np.int32), np.zeros((1, 2), np.uint32), 1, None)
         for plen in plens:
             for count in rows:
@@ -397,7 +409,7 @@ class Engine:
             if size != self.bank_slots:
                 self._resize_bank(bank, size)
             self._run_chunk(bank, self.state, self._head, self.adapters)
-        for size in sizes[1:]:  # and back to full from every size
+        for size in reversed(sizes[1:]):  # and back to full from every size (the bank is at the smallest now)
             while len(bank.occupants) > size:
                 self._resize_bank(bank, len(bank.occupants) // 2)
             self._resize_bank(bank, self.bank_slots)
@@ -430,7 +442,7 @@ class Engine:
             while free and request.placed < len(request.keys):
                 slot = free.pop(0)
                 entries.append((slot, row, request.placed))
-                bank.occupants[slot] = _Occupant(request, request.placed)
+                bank.occupants[slot] = (request, request.placed)
                 request.placed += 1
             if request.placed == len(request.keys):
                 self._waiting.popleft()
@@ -442,7 +454,7 @@ class Engine:
         index = np.full(size, -1, np.int32)
         index[:len(live)] = live
         bank.state = self._resize(bank.state, index)
-        bank.occupants = [bank.occupants[s] for s in live] + [None] * (size - len(live))
+        bank.take(index)
 
     def _admission_shapes(self, admission: _Admission) -> tuple[int, int]:
         cfg = self.config
@@ -485,51 +497,46 @@ class Engine:
         return jax.device_get((tokens, logprobs, bank.state.generated, bank.state.done, steps))
 
     def _record(self, bank: _Bank, admission: _Admission | None, first, chunk, version: int) -> list[GroupResult]:
-        """Host bookkeeping after a bank's admission and chunk: append each slot's new tokens (with the weight
-        version that drew them), free the slots whose sequence ended, and return the groups now complete."""
+        """Host bookkeeping after a bank's admission and chunk: copy each slot's new tokens (with the weight
+        version that drew them) into the bank's host rows, free the slots whose sample ended, and return the
+        groups now complete. Vectorised over slots: per chunk, only ended samples cost Python work."""
         stats = self.stats
         if admission is not None:
             first_token, first_logprob = jax.device_get(first)
-            for e, (slot, row, sample) in enumerate(admission.entries):
-                occupant = bank.occupants[slot]
-                occupant.request.pieces[sample].append((first_token[e:e + 1], first_logprob[e:e + 1], version))
-                occupant.generated = 1
+            slots = np.array([slot for slot, _, _ in admission.entries])
+            count = len(slots)
+            bank.tokens[slots, 0], bank.logprobs[slots, 0] = first_token[:count], first_logprob[:count]
+            bank.versions[slots, 0], bank.generated[slots] = version, 1
             prefilled = sum(len(r.prompt) for r in admission.requests)
             stats["prefill_tokens"] += prefilled
             stats["prefill_tokens_saved"] += sum(len(admission.requests[row].prompt)
                                                  for _, row, _ in admission.entries) - prefilled
-            stats["generated_tokens"] += len(admission.entries)
+            stats["generated_tokens"] += count
         tokens, logprobs, generated, done, steps = chunk
+        occupied = np.array([o is not None for o in bank.occupants])
+        new = np.where(occupied, generated - bank.generated, 0)
+        rows, cols = np.nonzero(np.arange(tokens.shape[1])[None, :] < new[:, None])
+        at = bank.generated[rows] + cols
+        bank.tokens[rows, at], bank.logprobs[rows, at], bank.versions[rows, at] = (tokens[rows, cols],
+                                                                                  logprobs[rows, cols], version)
+        bank.generated += new
         stats["slot_steps"] += len(bank.occupants) * int(steps)
+        stats["live_slot_steps"] += int(new.sum())
+        stats["generated_tokens"] += int(new.sum())
         finished = []
-        for slot, occupant in enumerate(bank.occupants):
-            if occupant is None:
-                continue
-            new = int(generated[slot]) - occupant.generated
-            if new:
-                occupant.request.pieces[occupant.sample].append((tokens[slot, :new], logprobs[slot, :new], version))
-                occupant.generated += new
-                stats["live_slot_steps"] += new
-                stats["generated_tokens"] += new
-            if done[slot]:
-                bank.occupants[slot] = None
-                request = occupant.request
-                last = int(request.pieces[occupant.sample][-1][0][-1])
-                request.finish_reasons[occupant.sample] = "stop" if last in self.eos_ids else "length"
-                request.finished += 1
-                if request.finished == len(request.keys):
-                    finished.append(self._result(request))
+        for slot in np.flatnonzero(occupied & done):
+            request, sample = bank.occupants[slot]
+            n = bank.generated[slot]
+            reason = "stop" if int(bank.tokens[slot, n - 1]) in self.eos_ids else "length"
+            request.samples[sample] = (bank.tokens[slot, :n].copy(), bank.logprobs[slot, :n].copy(),
+                                       bank.versions[slot, :n].copy(), reason)
+            bank.occupants[slot], bank.generated[slot] = None, 0
+            request.finished += 1
+            if request.finished == len(request.keys):
+                tokens_, logprobs_, versions_, reasons = (list(x) for x in zip(*request.samples))
+                finished.append(GroupResult(tag=request.tag, tokens=tokens_, logprobs=logprobs_, versions=versions_,
+                                            finish_reasons=reasons))
         return finished
-
-    @staticmethod
-    def _result(request: _Request) -> GroupResult:
-        tokens, logprobs, versions = [], [], []
-        for pieces in request.pieces:
-            tokens.append(np.concatenate([p[0] for p in pieces]).astype(np.int32))
-            logprobs.append(np.concatenate([p[1] for p in pieces]).astype(np.float32))
-            versions.append(np.concatenate([np.full(len(p[0]), p[2], np.int32) for p in pieces]))
-        return GroupResult(tag=request.tag, tokens=tokens, logprobs=logprobs, versions=versions,
-                           finish_reasons=list(request.finish_reasons))
 
     # -- device programs ------------------------------------------------------------------------------
 
@@ -572,7 +579,11 @@ class Engine:
         token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
                                        greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
         ring = state.key_mask.shape[1]
-        columns = (state.clock - plen + jnp.arange(plen)) % ring  # the plen columns before the current one
+        # An empty bank restarts its ring at 0: a batch that starts on empty slots is then laid out the same way
+        # whatever ran before it (the order of attention's sums, and so the last bits, depends on the columns),
+        # e.g. in a resumed run.
+        clock = jnp.where(jnp.all(state.done), 0, state.clock)
+        columns = (clock - plen + jnp.arange(plen)) % ring  # the plen columns before the current one
         at = (slot[:, None], slice(None), columns[None, :], slice(None))
 
         def place(cache, new):  # new [R, KV, P, D] -> entries' slots; indexing puts [E, P] first: [E, P, KV, D]
@@ -590,7 +601,7 @@ class Engine:
                           position=put(state.position, mask.sum(-1).astype(jnp.int32)[source]),
                           generated=put(state.generated, 1), limit=put(state.limit, limit),
                           done=put(state.done, jnp.isin(token, eos) | (limit <= 1)), keys=put(state.keys, keys),
-                          clock=state.clock)
+                          clock=clock)
         return state, token, logprob
 
     def _chunk_impl(self, params, head, adapters, state: SlotState, temperature, top_p, *, steps, greedy, top_k,

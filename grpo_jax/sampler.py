@@ -68,7 +68,7 @@ class SamplerConfig:
     # Which generator the trainer's actor uses: "continuous" (grpo_jax.engine: slots refilled between decode
     # chunks, one prefill per prompt shared by its samples, groups streamed out as they finish, in-flight
     # weight updates) or "static" (this module: one batch per handout, run until its longest row ends).
-    engine: str = "static"
+    engine: str = "continuous"
     # Continuous engine only. slots: sequences decoded at once (0: prompts_per_step x group_size in the
     # trainer, 64 elsewhere), split evenly over decode_streams. chunk_steps: decode steps per device call;
     # finished slots are refilled and new weights adopted between chunks. inflight_updates: adopt new weights

@@ -69,8 +69,9 @@ def test_memory_covers_the_sharded_state(one_host):
     config = tiny()
     weights = param_bytes(config)
     learner = one_host.program("learner step")
-    # Parameters and both AdamW moments, split over the two learner devices at best; the batch on top.
-    assert learner.memory.arguments >= 3 * weights / 2
+    # Parameters and both AdamW moments split over the two learner devices (the moments sharded like the
+    # parameters, as the trainer places them, not replicated); the small batch on top.
+    assert 3 * weights / 2 <= learner.memory.arguments < 2 * weights
     # Parameters and moments are donated: the new ones are written over them.
     assert learner.memory.aliased >= 3 * weights / 2
     sampler = one_host.program("sampler generate")

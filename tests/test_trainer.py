@@ -101,7 +101,7 @@ def test_actor_failure_stops_the_learner_with_its_error(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("sampler exploded")
 
-    monkeypatch.setattr(trainer.sampler, "generate", broken)
+    monkeypatch.setattr(trainer.sampler, "step" if hasattr(trainer.sampler, "step") else "generate", broken)
     with pytest.raises(TrainerError, match="actor thread failed.*sampler exploded"):
         trainer.train()
 
@@ -116,7 +116,7 @@ def test_no_groups_within_the_timeout_is_a_clear_error(tmp_path, monkeypatch):
         release.wait(5)
         raise RuntimeError("released")
 
-    monkeypatch.setattr(trainer.sampler, "generate", hang)
+    monkeypatch.setattr(trainer.sampler, "step" if hasattr(trainer.sampler, "step") else "generate", hang)
     try:
         with pytest.raises(TrainerError, match="no full step of 4 groups arrived within trainer.group_timeout_s=1"):
             trainer.train()

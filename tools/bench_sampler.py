@@ -1,12 +1,14 @@
-"""Decode throughput: grpo_jax's Sampler vs transformers' generate on the same random Qwen2 model.
+"""Decode throughput: grpo_jax's generator vs transformers' generate on the same random Qwen2 model.
 
 Workload: batch 64, 64-token prompts, exactly 128 new tokens each (no eos stop), temperature 1, float32.
+`--engine continuous` (the default, as in the trainer) runs grpo_jax's continuous Engine with 64 slots (the
+64 prompts fill them once; each decode chunk is a device call); `--engine static` the static Sampler.
 A random transformers Qwen2ForCausalLM is saved with save_pretrained and loaded through grpo_jax.hf, so
 both sides run identical weights (checked: max |logit difference| is printed). Compilation / first-call
 warm-up is timed separately; the two generators then alternate `--repeats` times (so background load hits
 both alike) and the median of each is reported.
 
-    /work/venv/bin/python tools/bench_sampler.py [--repeats 3] [--threads 2] [--streams 2] [--realtime]
+    python tools/bench_sampler.py [--engine continuous|static] [--repeats 3] [--threads 2] [--streams 2] [--realtime]
 
 On a machine shared with other work, --realtime (root only) runs this process, and the threads it
 starts, under SCHED_FIFO so that background load does not decide the result (both sides alike).
@@ -29,8 +31,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from grpo_jax.engine import make_generator  # noqa: E402
 from grpo_jax.hf import load_hf_model  # noqa: E402
-from grpo_jax.sampler import Sampler, SamplerConfig  # noqa: E402
+from grpo_jax.sampler import SamplerConfig  # noqa: E402
 
 BATCH, PROMPT, NEW, VOCAB = 64, 64, 128, 32000
 
@@ -52,7 +55,7 @@ def build_models(seed: int):
     return hf_model, ours, float(np.abs(got - ref).max())
 
 
-def time_ours(sampler: Sampler, prompts: list[list[int]], seed: int) -> float:
+def time_ours(sampler, prompts: list[list[int]], seed: int) -> float:
     start = time.perf_counter()
     res = sampler.generate(prompts, seed, max_new_tokens=NEW, temperature=1.0)
     elapsed = time.perf_counter() - start
@@ -80,13 +83,16 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=SamplerConfig.decode_streams,
                         help="SamplerConfig.decode_streams")
     parser.add_argument("--realtime", action="store_true", help="SCHED_FIFO priority (needs root)")
+    parser.add_argument("--engine", choices=("continuous", "static"), default="continuous",
+                        help="SamplerConfig.engine: the generator measured")
     args = parser.parse_args()
     if args.realtime:  # before jax and torch start their thread pools, which inherit the policy
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(5))
     torch.set_num_threads(args.threads)
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {os.cpu_count()} CPUs, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
-          f"decode_streams={args.streams}, realtime={args.realtime}")
+          f"engine={args.engine}, decode_streams={args.streams}, realtime={args.realtime}; load average before: "
+          f"{os.getloadavg()[0]:.2f}")
 
     hf_model, ours, diff = build_models(args.seed)
     print(f"weights shared: max |logits(ours) - logits(transformers)| = {diff:.2e}")
@@ -94,9 +100,9 @@ def main() -> None:
     prompts = rng.integers(0, VOCAB, (BATCH, PROMPT))
     input_ids = torch.tensor(prompts)
     # No eos stop: eos_ids=() on our side, min_new_tokens=max_new_tokens on theirs.
-    sampler = Sampler(ours, eos_ids=(), pad_id=0,
-                      config=SamplerConfig(max_new_tokens=NEW, max_prompt_len=PROMPT, min_prompt_bucket=PROMPT,
-                                           decode_streams=args.streams))
+    sampler = make_generator(ours, eos_ids=(), pad_id=0, slots=BATCH,
+                             config=SamplerConfig(max_new_tokens=NEW, max_prompt_len=PROMPT, min_prompt_bucket=PROMPT,
+                                                  decode_streams=args.streams, engine=args.engine))
     prompt_lists = prompts.tolist()
 
     warm_ours = time_ours(sampler, prompt_lists, args.seed)
