@@ -24,9 +24,13 @@ sit finished while a few run on. This engine keeps a fixed number of sequences i
   carries the version of the weights that produced its logits and its log-prob under them (the behaviour
   policy of that token). With inflight_updates off, new weights wait until the slots have drained, and no
   new sequence starts meanwhile.
-- Programs (jit once): the decode chunk (one per bank shape and sampling mode), the admission
-  (prefill + copy into slots + first token; one per power-of-two group count and prompt bucket) and the
-  empty state. Weights, temperature, top-p and token limits are runtime values.
+- Draining. With nothing waiting, a bank whose live slots fit in half of it is halved (down to
+  MIN_BANK_SLOTS), so the long tail of a batch decodes a few slots, not a bank of finished ones; it grows
+  back to full size when work arrives.
+- Programs (jit once): the decode chunk (one per bank size and sampling mode), the admission (prefill +
+  copy into slots + first token; one per power-of-two prompt count and prompt bucket), the bank resizes
+  and the empty state. Weights, temperature, top-p and token limits are runtime values. warm_up() compiles
+  them all before a run.
 - Streams. The slots are split into `decode_streams` banks, each with its own state and clock, run from
   their own threads (XLA's CPU runtime overlaps separate executions; use 1 stream on an accelerator).
 """
