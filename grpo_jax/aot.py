@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -159,11 +160,7 @@ def tpu_topology(name: str, chips_per_host: str = "") -> Topology:
 
 
 def _has_libtpu() -> bool:
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("libtpu") is not None
 
 
 # ------------------------------------------------------------------------------------------ reports
@@ -522,12 +519,14 @@ def learner_hints(config: Config, model_config: ModelConfig, layout: Layout, sta
     """Settings that shrink the learner step, the ones that can help first: activations do not matter while
     the parameters and moments (`state`, per device) alone exceed the device."""
     optim, mesh = config.optim, layout.learner_mesh
-    spread = (f"a larger mesh.learner.fsdp (now {mesh.shape['fsdp']}) over more learner devices "
-              f"(mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice)")
+    more = "a larger slice" if layout.shared else f"mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice"
+    spread = f"a larger mesh.learner.fsdp (now {mesh.shape['fsdp']}) over more learner devices ({more})"
+    if layout.shared:  # the actor's copy of the weights shares these devices
+        spread += "; or mesh.actor_devices > 0, the actor's copy of the weights on devices of its own"
     reference = ["loss.kl_coef=0 (no reference copy)"] if config.loss.needs_reference and not config.lora.enabled else []
     if state > topology.hbm_bytes:
         lora = [] if config.lora.enabled else ["lora.rank=16 (adapters on a frozen base: no moments for its weights)"]
-        return (f"{spread}: parameters and optimizer state alone take {_size(state)}B per device", *reference, *lora)
+        return (f"{spread}: parameters and optimizer state alone take {_size(state)}iB per device", *reference, *lora)
     hints = [] if model_config.remat else ["model.remat=true"]
     mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
     micro = optim.micro_batch_size or mini_rows
@@ -535,7 +534,7 @@ def learner_hints(config: Config, model_config: ModelConfig, layout: Layout, sta
         smaller = next(m for m in range(micro // 2, 0, -1) if mini_rows % m == 0)
         new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
         hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits, "
-                     f"[{micro}, {new}, {vocab}], are {_size(4 * micro * new * vocab)}B before any split)")
+                     f"[{micro}, {new}, {vocab}], are {_size(4 * micro * new * vocab)}iB before any split)")
     return (*hints, spread, *reference)
 
 
@@ -697,11 +696,16 @@ def sampler_hints(config: Config, model_config: ModelConfig, layout: Layout, wei
     """Settings that shrink the generate program, the ones that can help first: the weights (per device, in
     model.param_dtype, held twice while new ones arrive) before the KV cache and activations."""
     cfg, mesh = config.sampler, layout.actor_mesh
+    per_host = len(layout.actor_mesh.devices.flat) if layout.shared else None
     spread = (f"a larger mesh.actor.tensor (now {mesh.shape['tensor']}) over more actor devices "
               f"(mesh.actor_devices={config.mesh.actor_devices})")
     if 2 * weights > topology.hbm_bytes:
-        return (f"{spread}: the actor's weights (model.param_dtype={model_config.param_dtype}) take {_size(weights)}B "
-                "per device, twice while new ones arrive",)
+        why = (f"the actor's weights (model.param_dtype={model_config.param_dtype}) take {_size(weights)}iB per device, "
+               "twice while new ones arrive")
+        if per_host is not None:  # already every device of the host: no actor layout holds them
+            return (f"no actor layout: every host's actor holds a whole copy of the weights on its {per_host} devices; "
+                    f"{why}",)
+        return (f"{spread}: {why}",)
     return (f"fewer rows per call (grpo.prompts_per_step={config.grpo.prompts_per_step} lower, or "
             f"sampler.decode_streams={cfg.decode_streams} higher)",
             f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len} (the KV "
@@ -745,7 +749,7 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
         cost = Cost(compiled.cost.flops, compiled.cost.bytes,
                     max(compiled.cost.seconds, gathered / topology.ici_bandwidth))
     hints = (f"no setting but model.param_dtype (now {model_config.param_dtype}): the trainer gathers one full copy "
-             f"of the parameters ({_size(full_bytes(params))}B) onto every learner device",)
+             f"of the parameters ({_size(full_bytes(params))}iB) onto every learner device",)
     gather = Program("weight sync gather", n_learner, compiled.memory, held, held_what, cost, 1, compiled.seconds,
                      compiled.refusal, hints)
     # From one local replica: that device sends every actor device its shard.
@@ -874,13 +878,14 @@ def format_report(report: Report) -> str:
     hosts = f"{t.processes} host{'s' if t.processes > 1 else ''}"
     lines = [
         f"{report.config_path or 'config'} on {t.name}: {len(t.devices)} {t.chip.name} devices, {hosts}; per device "
-        f"{_size(t.hbm_bytes)}B HBM, {t.peak_flops / 1e12:.0f} TFLOP/s bf16, {t.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
+        f"{_size(t.hbm_bytes)}iB HBM, {t.peak_flops / 1e12:.0f} TFLOP/s bf16, {t.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
         f"{t.ici_bandwidth / 1e9:.0f} GB/s ICI in",
         f"model: {m.architecture}, {_count(report.param_count)} parameters, {m.num_layers} layers, weights "
         f"{m.param_dtype}, compute {m.dtype}, remat {str(m.remat).lower()}",
         report.layout,
         "",
-        "per device: memory in bytes (args + out - alias + temp + code + held = total); FLOPs and HBM bytes per call",
+        "per device (bytes in K/M/G/T of 2^10/2^20/2^30/2^40): memory (args + out - alias + temp + code + held = total), "
+        "FLOPs and HBM bytes per call",
         f"{'program':<20}{'devices':>8}{'args':>7}{'out':>7}{'alias':>7}{'temp':>7}{'code':>7}{'held':>7}"
         f"{'total':>7}{'HBM':>7}{'fits':>6}{'FLOPs':>8}{'bytes':>8}{'roofline':>11}{'calls':>6}{'compile':>9}",
     ]
@@ -901,7 +906,7 @@ def format_report(report: Report) -> str:
         if p.cost_note:
             lines.append(f"  {p.name}: no time estimate: {p.cost_note}")
     for x in report.transfers:
-        lines.append(f"{x.name}: {_size(x.bytes_per_device)}B into each actor device, {_time(x.seconds)} ({x.how}; "
+        lines.append(f"{x.name}: {_size(x.bytes_per_device)}iB into each actor device, {_time(x.seconds)} ({x.how}; "
                      "a transfer, not a compiled program)")
     s = report.step
     lines.append("")
@@ -928,7 +933,7 @@ def check_fits(report: Report) -> None:
             problems.append(f"{p.name} refused by the compiler{', ' + excess if excess else ''} ({p.refusal}); "
                             "try " + ", ".join(p.hints))
         elif p.total > t.hbm_bytes:
-            problems.append(f"{p.name} needs {_size(p.total)}B per device, {_size(p.total - t.hbm_bytes)}B over the "
-                            f"{_size(t.hbm_bytes)}B of a {t.chip.name} device; try " + ", ".join(p.hints))
+            problems.append(f"{p.name} needs {_size(p.total)}iB per device, {_size(p.total - t.hbm_bytes)}iB over the "
+                            f"{_size(t.hbm_bytes)}iB of a {t.chip.name} device; try " + ", ".join(p.hints))
     if problems:
         raise DoesNotFit(f"does not fit on {t.name}: " + "; ".join(problems))

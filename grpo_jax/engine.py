@@ -309,6 +309,8 @@ class Engine:
         finished = []
         for (bank, admission), (first, chunk) in zip(calls, outs):
             finished += self._record(bank, admission, first, chunk, version)
+        if self._pending is not None and self.active_slots == 0:
+            self._swap(*self._pending)  # drained: held-back weights now, so the caller's next admission sees them
         for bank in self._banks if self.shrink else ():
             live = sum(o is not None for o in bank.occupants)
             size = len(bank.occupants)

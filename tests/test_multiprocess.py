@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from test_trainer import FAST, REPO
@@ -113,13 +112,6 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
     assert max(r["step"] for r in rows) == MAX_STEPS
     for row in rows:  # every process held the same weights after every step
         assert len(row["replica_digests"]) == processes and len(set(row["replica_digests"])) == 1, row["step"]
-    # final_model/ is the learner's last parameters, gathered from every process.
-    from grpo_jax.hf import load_hf_model
-    from grpo_jax.model import param_dict
-    from test_warm_start import saved_params
-    last = saved_params(run_dir, MAX_STEPS)
-    for name, value in param_dict(load_hf_model(run_dir / "final_model")[0]).items():
-        np.testing.assert_array_equal(np.asarray(value), last[name], err_msg=name)
     # Ordinals are global: the processes' trained ordinals never overlap and each is its own residue class.
     for i in range(processes):
         lines = [json.loads(x) for x in (run_dir / f"events.process{i}.jsonl").read_text().splitlines()]
