@@ -212,6 +212,7 @@ class Engine:
             self._swap(model_or_state, version)
         else:
             self._pending = (model_or_state, version)
+            self.stats["updates_held_back"] += 1
 
     def _swap(self, state, version: int) -> None:
         if self.adapter_graphdef is not None:
@@ -426,12 +427,14 @@ class Engine:
 
     def metrics(self) -> dict:
         """Running totals since the engine was built: slot occupancy (live slot-steps over decoded slot-steps),
-        prefill tokens computed and saved by sharing, tokens generated, and tokens/s while stepping."""
+        prefill tokens computed and saved by sharing, tokens generated, weight updates that waited for the
+        slots to drain (inflight_updates off), and tokens/s while stepping."""
         s = self.stats
         return {"engine/slot_occupancy": s["live_slot_steps"] / max(s["slot_steps"], 1),
                 "engine/prefill_tokens": int(s["prefill_tokens"]),
                 "engine/prefill_tokens_saved": int(s["prefill_tokens_saved"]),
                 "engine/generated_tokens": int(s["generated_tokens"]),
+                "engine/updates_held_back": int(s["updates_held_back"]),
                 "engine/tokens_per_s": s["generated_tokens"] / max(s["seconds"], 1e-9)}
 
     # -- host side of a boundary -------------------------------------------------------------------------

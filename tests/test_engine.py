@@ -4,6 +4,7 @@ and a trainer run with it accounts for every prompt. Tiny model; the engine is m
 once, so each program compiles once."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -322,12 +323,19 @@ def test_trainer_with_the_engine_accounts_for_every_prompt(tmp_path, inflight):
     from grpo_jax.trainer import Trainer
     from test_trainer import assert_every_ordinal_accounted_once, tiny_config
     config = tiny_config(tmp_path, "sampler.engine=continuous", "sampler.chunk_steps=1", "trainer.max_steps=6",
-                         "grpo.max_staleness=1", f"sampler.inflight_updates={str(inflight).lower()}")
+                         "grpo.max_staleness=1", f"sampler.inflight_updates={str(inflight).lower()}",
+                         "eval.every_steps=3", "eval.num_prompts=4", "eval.samples=2", "eval.synthetic_size=200",
+                         "data.synthetic_min_digits=2", "data.synthetic_max_digits=2", "data.synthetic_size=40")
     history = Trainer(config).train()
     assert len(history) == 6
     assert_every_ordinal_accounted_once(tmp_path)
+    # Evaluations ran as side jobs between chunks (the engine's generate, on the static sampler while busy).
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [row["eval/requested_step"] for row in evals] == [0, 3, 6] and evals[0]["eval/prompts"] == 4
     for m in history:
         assert m["staleness/max"] <= 1
         assert 0 < m["engine/slot_occupancy"] <= 1 and m["actor/tokens_per_s_per_device"] > 0
     spread = max(m["rollout/version_spread_max"] for m in history)
     assert spread >= 1 if inflight else spread == 0
+    held_back = history[-1]["engine/updates_held_back"]
+    assert held_back == 0 if inflight else held_back >= 1  # off: new weights did arrive with samples in flight

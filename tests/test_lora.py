@@ -319,11 +319,21 @@ def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_p
     assert [m["step"] for m in resumed.train()] == [4]
 
 
+def distinct_characters_reward(records, completions, lengths):
+    """A reward that differs between almost any two completions of a random model, so a group's advantages
+    are never all zero and the first update moves B off its initial zeros. (The copy task's reward can give
+    every sample of a step the same score, and then Adam's update is exactly zero.)"""
+    return [float(len(set(text))) for text in completions]
+
+
 def test_continuous_engine_samples_with_the_adapters_it_is_sent(tmp_path):
+    from grpo_jax.rewards import register_function
     from grpo_jax.trainer import Trainer
 
     # Synchronous (max_staleness 0): step 2's groups come from the adapters synced after step 1.
+    reward = register_function(distinct_characters_reward)
     config = tiny_config(tmp_path, "lora.rank=4", "trainer.max_steps=2", "grpo.max_staleness=0",
+                         f'rewards=[{{name: "{reward}"}}]',
                          "sampler.engine=continuous", "mesh.actor_devices=4", "mesh.actor.fsdp=4",
                          "mesh.learner.fsdp=4", "trainer.save_final_model=false", "checkpoint.save_at_end=false")
     trainer = Trainer(config)

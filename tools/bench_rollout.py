@@ -153,6 +153,7 @@ def main() -> None:
     if "transformers" in sides:
         warm["transformers (short)"] = run_hf(hf_model, prompts[:8], args.seed, max_new=16)[0]
     print("warm-up (first call, includes compilation): " + ", ".join(f"{k} {v:.1f} s" for k, v in warm.items()))
+    before = engine.metrics()  # the timed runs' own figures: the engine's totals count the warm-up too
     times = {name: [] for name in sides}
     tokens = {name: [] for name in sides}
     for r in range(args.repeats):
@@ -165,10 +166,14 @@ def main() -> None:
     tps = {name: statistics.median(t / s for t, s in zip(tokens[name], times[name])) for name in sides}
     for name in sides:
         print(f"{name:>12}: {tps[name]:6.0f} tokens/s of finished completions (median of {args.repeats})")
-    metrics = engine.metrics()
-    print(f"engine: slot occupancy {metrics['engine/slot_occupancy']:.2f}, prefill tokens "
-          f"{metrics['engine/prefill_tokens']} computed / {metrics['engine/prefill_tokens_saved']} saved by "
-          f"sharing, {engine.num_compilations} compiled programs; load average after: {os.getloadavg()[0]:.2f}")
+    stats = engine.stats
+    after = engine.metrics()
+    prefilled = (after["engine/prefill_tokens"] - before["engine/prefill_tokens"]) // args.repeats
+    saved = (after["engine/prefill_tokens_saved"] - before["engine/prefill_tokens_saved"]) // args.repeats
+    print(f"engine: slot occupancy {stats['live_slot_steps'] / stats['slot_steps']:.2f} (warm-up included), "
+          f"per run {prefilled} prompt tokens prefilled / {saved} saved by sharing (a prefill per sample: "
+          f"{PROMPTS * SAMPLES * PROMPT_LEN}), {engine.num_compilations} compiled programs; load average after: "
+          f"{os.getloadavg()[0]:.2f}")
     line = f"engine/static: {tps['engine'] / tps['static']:.2f}x"
     if "transformers" in tps:
         line += f", engine/transformers: {tps['engine'] / tps['transformers']:.2f}x"
