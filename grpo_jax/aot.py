@@ -9,7 +9,9 @@ and reports per-device memory, cost and a roofline estimate of time:
 
 - the learner step (learner.make_train_step, jitted as Learner does): mini-batches, epochs, micro-batch
   accumulation, the proximal and reference forward passes, the optimizer update;
-- the sampler's generate program (prefill + phased decode loop), for the rows one handout gives a host;
+- the actor: with sampler.engine=continuous (the default), the engine's own jitted programs (decode chunk per
+  bank size, admission, bank resizes) at the shapes Engine.warm_up compiles; with sampler.engine=static, the
+  sampler's generate program (prefill + phased decode loop), for the rows one handout gives a host;
 - the weight sync. Learner and actor devices are disjoint, and jit runs one program on one device set,
   so the copy between them is a transfer, not a program: its bytes are counted and its time estimated
   from the chip's ICI bandwidth. On several hosts the trainer first gathers the full weights onto every
@@ -20,6 +22,9 @@ cost analysis. XLA counts a loop body once whatever its trip count, so each loop
 gradient, a decode step) is costed by its own program and multiplied by its trip count. Collectives,
 host work and kernel overheads are not counted: these are lower bounds, and the step projection is the
 time the chips could not beat on this layout.
+
+libtpu aborts the process on some layouts (a failed internal check), so compile_run compiles in one child
+process and turns its death by a signal into a one-line CompilerCrash naming the program being compiled.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ import functools
 import importlib.util
 import math
 import os
+import pathlib
+import pickle
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -41,6 +52,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from grpo_jax.config import Config
 from grpo_jax.distributed import by_process
+from grpo_jax.engine import Engine, SlotState
 from grpo_jax.errors import ConfigError, UserError
 from grpo_jax.learner import TrainBatch, make_optimizer, make_train_step, token_logprobs
 from grpo_jax.lora import LoraConfig, init_adapters
@@ -59,6 +71,13 @@ class DoesNotFit(UserError):
     """A program needs more memory per device than the chip has (or the compiler refused it)."""
 
     exit_code = 4
+
+
+class CompilerCrash(UserError):
+    """libtpu's compiler killed the compiling process (a signal, e.g. SIGABRT on a failed internal check): a
+    compiler bug on this layout, not a memory verdict."""
+
+    exit_code = 5
 
 
 # ------------------------------------------------------------------------------------------ chips
@@ -209,6 +228,8 @@ class Program:
     refusal: str = ""  # the compiler's own words when it refused (RESOURCE_EXHAUSTED)
     hints: tuple[str, ...] = ()  # settings that make it smaller
     cost_note: str = ""  # why cost is None although the program compiled
+    actor: bool = False  # the actor's (sampling) time per step is the sum of cost x calls over these
+    notes: tuple[str, ...] = ()  # printed under the table
 
     @property
     def total(self) -> int | None:
@@ -281,13 +302,14 @@ def run_layout(config: Config, devices: tuple) -> Layout:
         actor_mesh = make_mesh(config.mesh.actor, actor)
     except ValueError as e:
         raise ConfigError(f"mesh: {e} (actor: {len(actor)} device(s) per host, learner: {len(learner)})") from e
-    if processes > 1:
-        splits = learner_mesh.shape["data"] * learner_mesh.shape["fsdp"]
-        rows = config.grpo.prompts_per_step // processes * config.grpo.group_size
-        if splits % processes or rows % (splits // processes):
-            raise ConfigError(
-                f"mesh.learner: the batch is split {splits} ways (data x fsdp) over {processes} hosts; each host's "
-                f"{rows} rows (prompts_per_step / hosts x group_size) must split evenly over its share of those devices")
+    # As Trainer.__init__: each host feeds its own rows of the batch, split over data x fsdp in host order.
+    splits = learner_mesh.shape["data"] * learner_mesh.shape["fsdp"]
+    rows = config.grpo.prompts_per_step // processes * config.grpo.group_size
+    if splits % processes or rows % (splits // processes):
+        where = (f" over {processes} hosts; each host's {rows} rows (prompts_per_step / hosts x group_size)"
+                 if processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
+        raise ConfigError(f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split evenly "
+                          "over those devices")
     return Layout(actor_mesh, learner_mesh, n == 0, processes)
 
 
@@ -361,8 +383,22 @@ class Compiled:
     seconds: float
 
 
-def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None) -> Compiled:
-    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`."""
+# Set in the compiling child process (see compile_run): each compile_one first appends its label here, so
+# that the parent can name the program being compiled when libtpu kills the child.
+_PROGRESS: pathlib.Path | None = None
+# Testing hook, honoured only in the child: compile_one os.abort()s at the program with this label, as libtpu
+# does on a failed internal check.
+ABORT_AT_ENV = "GRPO_JAX_COMPILE_ABORT_AT"
+
+
+def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None, label: str = "") -> Compiled:
+    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`. `label` names the
+    program (or the loop body compiled alone for its cost) in a crash report."""
+    if _PROGRESS is not None:
+        with open(_PROGRESS, "a") as f:
+            f.write(label.replace("\n", " ") + "\n")
+        if label and os.environ.get(ABORT_AT_ENV) == label:
+            os.abort()
     start = time.perf_counter()
     try:
         compiled = jitted.lower(*args, **(static or {})).compile()
@@ -407,7 +443,7 @@ def refusal_excess(refusal: str) -> str:
 
 
 def learner_program(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology,
-                    actor_held: int) -> tuple[Program, dict]:
+                    actor_held: int, actor_what: str = "the actor's copy of the weights") -> tuple[Program, dict]:
     """The learner step, jitted as Learner does (make_train_step, donating parameters and moments), over
     abstract parameters, optimizer state, reference and batch with the trainer's shardings.
 
@@ -434,18 +470,17 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
     rows = grpo.prompts_per_step * grpo.group_size
     prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     completion = config.sampler.max_new_tokens
-    # One process feeds an uncommitted batch, which jit replicates over the learner mesh; several processes
-    # assemble it split over data x fsdp (Trainer._learn).
-    rows_sharding = batch_sharding(mesh) if layout.processes > 1 else replicated
-    batch = abstract_batch(rows, prompt_bucket, completion, rows_sharding)
+    # The trainer commits the batch split over data x fsdp, on one process as on several (Trainer._learn).
+    batch = abstract_batch(rows, prompt_bucket, completion, batch_sharding(mesh))
     # As Learner._step jits it: parameters and moments donated, and returned with the shardings they came in.
     shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state), None, None)
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
-    whole = compile_one(jitted, (params, opt_state, batch, reference, frozen, dropout_key), topology)
+    whole = compile_one(jitted, (params, opt_state, batch, reference, frozen, dropout_key), topology,
+                        label="learner step")
 
     held, held_what = 0, ""
     if layout.shared:
-        held, held_what = actor_held, "the actor's copy of the weights"
+        held, held_what = actor_held, actor_what
     state_bytes = {"params": shard_bytes(params), "opt_state": shard_bytes(opt_state),
                    "reference": shard_bytes(reference) if reference is not None else 0,
                    "frozen": shard_bytes(frozen) if frozen is not None else 0}
@@ -468,7 +503,8 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
             return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len,
                                   temperature=config.sampler.temperature or 1.0, adapters=adapters)[0]
 
-        compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology)
+        compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
+                               label="learner step (a forward micro-batch alone, for its cost)")
         seconds += compiled.seconds
         if compiled.cost is None:
             return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
@@ -480,7 +516,8 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
         return optax.apply_updates(params, updates), opt_state
 
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
-    compiled = compile_one(jax.jit(update, donate_argnums=(1, 2)), (grads, opt_state, params), topology)
+    compiled = compile_one(jax.jit(update, donate_argnums=(1, 2)), (grads, opt_state, params), topology,
+                           label="learner step (the optimizer update alone, for its cost)")
     seconds += compiled.seconds
     if compiled.cost is None:
         return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
@@ -509,7 +546,7 @@ def abstract_batch(rows: int, prompt_len: int, completion_len: int, sharding: Na
 
 def _rows_sharding(rows: int, mesh, layout: Layout) -> NamedSharding:
     splits = mesh.shape["data"] * mesh.shape["fsdp"]
-    if layout.processes > 1 and rows % splits == 0:
+    if rows % splits == 0:
         return batch_sharding(mesh)
     return NamedSharding(mesh, PartitionSpec())
 
@@ -576,7 +613,7 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     args = (state, head, sds((batch, plen), jnp.int32), sds((batch, plen), jnp.bool_), sds((batch,), jnp.bool_),
             sds(keys.shape, keys.dtype), sds((), jnp.int32), sds((), jnp.float32), sds((), jnp.float32))
-    whole = compile_one(sampler._generate, args, topology, dict(static, adapters=adapters))
+    whole = compile_one(sampler._generate, args, topology, dict(static, adapters=adapters), label="sampler generate")
 
     weights = shard_bytes(state)
     # The learner delivers new weights (with LoRA, adapters) while the actor still samples with the old ones.
@@ -592,12 +629,12 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     hints = sampler_hints(config, model_config, layout, weights, topology)
     if whole.memory is None:
         return Program("sampler generate", mesh.size, None, held, held_what, None, calls, whole.seconds,
-                       whole.refusal, hints)
+                       whole.refusal, hints, actor=True)
 
     steps = decode_cost(graphdef, model_config, state, head, cfg, static, batch, plen, new_bucket, mesh, topology,
                         adapter_graphdef, adapters)
     return Program("sampler generate", mesh.size, whole.memory, held, held_what, steps.cost, calls,
-                   whole.seconds + steps.seconds, "", hints, cost_note=steps.note)
+                   whole.seconds + steps.seconds, "", hints, cost_note=steps.note, actor=True)
 
 
 def _abstract_sampler(graphdef, state, cfg, adapter_graphdef=None, adapters=None) -> tuple[Sampler, jax.ShapeDtypeStruct]:
@@ -654,7 +691,8 @@ def decode_cost(graphdef, model_cfg: ModelConfig, state, head, cfg, static: dict
 
     scalars = (sds((batch,), jnp.float32), sds((), jnp.float32), sds((), jnp.float32))
     first = compile_one(jax.jit(prefill), (state, head, sds((batch, plen), jnp.int32),
-                                          sds((batch, plen), jnp.bool_), *scalars, adapters), topology)
+                                          sds((batch, plen), jnp.bool_), *scalars, adapters), topology,
+                        label="sampler generate (the prefill alone, for its cost)")
     if first.cost is None:
         return _Timed(None, first.seconds, f"the prefill alone was refused: {first.refusal}")
     steps, weighted, start = 0, 0, 1
@@ -671,7 +709,7 @@ def decode_cost(graphdef, model_cfg: ModelConfig, state, head, cfg, static: dict
     jitted = jax.jit(decode, donate_argnums=(5,), out_shardings=((replicated, replicated), cache_sharding))
     step = compile_one(jitted, (state, head, sds((batch, 1), jnp.int32), sds((batch, 1), jnp.int32),
                                 sds((batch, length), jnp.bool_), cache, sds((), jnp.int32), *scalars, adapters),
-                       topology)
+                       topology, label="sampler generate (one decode step alone, for its cost)")
     if step.cost is None:
         return _Timed(None, first.seconds + step.seconds, f"one decode step alone was refused: {step.refusal}")
     return _Timed(first.cost + step.cost * steps, first.seconds + step.seconds, "")
@@ -712,11 +750,241 @@ def sampler_hints(config: Config, model_config: ModelConfig, layout: Layout, wei
             "cache)", spread)
 
 
+# ------------------------------------------------------------------------------------------ the continuous engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """The continuous engine of one host's actor, with abstract weights: what engine_programs compiles."""
+
+    engine: Engine  # built under eval_shape: only its jitted programs and shape logic are used
+    graphdef: object
+    state: object  # abstract weights on the actor mesh
+    head: jax.ShapeDtypeStruct  # the vocab-major head, sharded as the actor's
+    adapters: object  # abstract LoRA adapters, or None
+    banks: dict  # bank size -> SlotState of ShapeDtypeStructs with the engine's shardings
+    sizes: list  # bank sizes: full, then halved while draining (Engine.program_shapes)
+    plens: list  # prompt buckets
+    rows: list  # admission row counts
+
+    @property
+    def bank_bytes(self) -> int:
+        """Per device: one full bank's slot state (its KV ring above all)."""
+        return shard_bytes(self.banks[self.engine.bank_slots])
+
+    @property
+    def state_bytes(self) -> int:
+        """Per device: the slot state of every bank, which stays on the actor's devices for the whole run."""
+        return self.engine.num_banks * self.bank_bytes
+
+
+def engine_setup(config: Config, model_config: ModelConfig, layout: Layout) -> EngineSetup:
+    """The Engine the trainer builds on each host (engine.make_generator: sampler.slots, or that host's
+    prompts_per_step / hosts x group_size samples), built under eval_shape over abstract weights on the actor
+    mesh, and its slot state per bank size with the layout the engine's programs give it (a bank starts
+    uncommitted and keeps the layout its first admission returns; observed on a CPU mesh): the KV ring's heads
+    split over `tensor` when their number divides it, else the ring replicated on every actor device (the
+    grouped layout of kv_cache_sharding is no NamedSharding of the actor mesh, so a program cannot return it);
+    every other field replicated."""
+    cfg, mesh = config.sampler, layout.actor_mesh
+    graphdef, state = abstract_params(model_config, mesh)
+    adapter_graphdef, adapters = None, None
+    if config.lora.enabled:
+        adapter_graphdef, adapters = abstract_adapters(model_config, config.lora, mesh)
+    group = config.grpo.group_size
+    slots = cfg.slots or config.grpo.prompts_per_step // layout.processes * group
+    made = []
+
+    def build(state, adapters):
+        lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+        engine = Engine(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, slots=slots, adapters=lora)
+        made.append(engine)
+        sizes = engine.program_shapes(group)[0]
+        return engine._head, {size: engine._empty_state_impl(size, engine.ring) for size in sizes}
+
+    head, banks = jax.eval_shape(build, state, adapters)
+    engine = made[0]
+    engine.close()
+    engine.state, engine._head, engine.adapters = state, head, adapters  # no tracer outlives eval_shape
+    head = jax.ShapeDtypeStruct(head.shape, head.dtype,
+                                sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split = model_config.num_kv_heads % mesh.shape["tensor"] == 0
+    cache_sharding = NamedSharding(mesh, PartitionSpec(None, "tensor")) if split else replicated
+
+    def place(bank: SlotState) -> SlotState:
+        def sds(x, sharding):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return SlotState(cache=jax.tree.map(lambda x: sds(x, cache_sharding), bank.cache),
+                         **{f: sds(getattr(bank, f), replicated) for f in SlotState._fields if f != "cache"})
+
+    sizes, plens, rows = engine.program_shapes(group)
+    return EngineSetup(engine, graphdef, state, head, adapters, {size: place(b) for size, b in banks.items()},
+                       sizes, plens, rows)
+
+
+def _worst(compiled: list) -> Compiled:
+    """The one that needs the most memory (a refusal first)."""
+    return max(compiled, key=lambda c: math.inf if c.memory is None else c.memory.total)
+
+
+def engine_programs(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology,
+                    setup: EngineSetup, learner_held: int) -> list[Program]:
+    """The continuous engine's programs (Engine._chunk, _admit, _resize: the engine's own jitted functions)
+    at the shapes Engine.warm_up compiles, on one host's actor mesh:
+
+    - `engine chunk`: a decode chunk of sampler.chunk_steps steps, for every bank size (full, and halved while
+      draining); the report shows the full bank, the largest;
+    - `engine admission`: prefill + copy into slots + first token, at the largest prompt bucket a step's prompts
+      use and the most prompts one bank takes at a boundary;
+    - `engine resize`: a bank halved while draining, or grown back to full (only where banks shrink).
+
+    Cost: one decode step (the chunk program with steps=1: XLA counts a loop body once) times chunk_steps per
+    chunk. Time per learner step, every sample decoding to max_new_tokens in lockstep: the host's samples
+    (prompts_per_step / hosts x group_size) fill the slots in waves; each wave is one admission per bank it
+    uses (one prefill per group) and ceil((max_new_tokens - 1) / chunk_steps) chunks per bank (the first token
+    comes from the admission; a last partial chunk is counted whole); banks run one after the other."""
+    cfg, mesh = config.sampler, layout.actor_mesh
+    engine, state, head, adapters = setup.engine, setup.state, setup.head, setup.adapters
+    full = engine.bank_slots
+    replicated = NamedSharding(mesh, PartitionSpec())
+    static = engine.sampling.static
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    scalars = (sds((), jnp.float32), sds((), jnp.float32))
+    weights = shard_bytes(state)
+    head_bytes = shard_bytes(head)
+    # The learner delivers new weights (with LoRA, adapters) while the engine still decodes with the old ones;
+    # the other banks' slot states stay on the same devices.
+    held, held_what = weights, "the next weights, delivered while sampling"
+    if adapters is not None:
+        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
+    if engine.num_banks > 1:
+        held += (engine.num_banks - 1) * setup.bank_bytes
+        held_what += f", the other {engine.num_banks - 1} bank(s)' slot state"
+    if layout.shared:
+        held += learner_held
+        held_what += ", the learner's parameters and optimizer state"
+    hints = engine_hints(config, model_config, layout, engine, weights, topology)
+
+    # When every sample decodes to max_new_tokens, the slots fill and empty in waves.
+    group = config.grpo.group_size
+    samples = config.grpo.prompts_per_step // layout.processes * group
+    chunks_per_wave = max(-(-(cfg.max_new_tokens - 1) // cfg.chunk_steps), 1)
+    chunk_calls, admissions, start = 0, {}, 0  # admissions: rows -> calls
+    while start < samples:
+        wave = min(samples - start, engine.num_slots)
+        for first in range(start, start + wave, full):
+            last = min(first + full, start + wave)  # this bank's samples [first, last)
+            groups = (last - 1) // group - first // group + 1
+            rows = min(_bucket(groups, 1), full)
+            admissions[rows] = admissions.get(rows, 0) + 1
+            chunk_calls += chunks_per_wave
+        start += wave
+
+    programs = []
+    # The decode chunk, for every bank size.
+    chunks = [compile_one(engine._chunk, (state, head, adapters, setup.banks[size], *scalars), topology,
+                          dict(static, steps=cfg.chunk_steps), label=f"engine chunk ({size} slots)")
+              for size in setup.sizes]
+    worst = _worst(chunks)
+    seconds = sum(c.seconds for c in chunks)
+    notes = []
+    if len(setup.sizes) > 1:
+        notes.append(f"compiled for banks of {', '.join(map(str, setup.sizes))} slots (halved while draining); "
+                     "the largest memory shown")
+    cost, cost_note = None, ""
+    if worst.memory is not None:
+        step = compile_one(engine._chunk, (state, head, adapters, setup.banks[full], *scalars), topology,
+                           dict(static, steps=1), label="engine chunk (one decode step alone, for its cost)")
+        seconds += step.seconds
+        if step.cost is None:
+            cost_note = f"one decode step alone was refused: {step.refusal}"
+        else:
+            cost = step.cost * cfg.chunk_steps
+            notes.append(f"one decode step x chunk_steps={cfg.chunk_steps} per call; {chunk_calls} call(s) per step: "
+                         f"{samples} samples in {engine.num_banks} bank(s) of {full} slots, every one decoding to "
+                         f"max_new_tokens={cfg.max_new_tokens}")
+    programs.append(Program("engine chunk", mesh.size, worst.memory, held, held_what, cost, chunk_calls, seconds,
+                            worst.refusal, hints, cost_note, actor=True, notes=tuple(notes)))
+
+    # The admission: prefill, copy into slots, first token; the largest shapes for memory, those used for cost.
+    longest = min(config.data.max_prompt_len, cfg.max_prompt_len)
+    plen = min(_bucket(longest, cfg.min_prompt_bucket), cfg.max_prompt_len)
+
+    def admit(rows: int, label: str) -> Compiled:
+        slot_args = (sds((full,), jnp.int32), sds((full,), jnp.int32), sds((full, 2), jnp.uint32),
+                     sds((full,), jnp.int32))
+        return compile_one(engine._admit, (state, head, adapters, setup.banks[full], sds((rows, plen), jnp.int32),
+                                           sds((rows, plen), jnp.bool_), *slot_args, *scalars), topology, static,
+                           label=label)
+
+    largest = admit(setup.rows[-1], "engine admission")
+    seconds, cost, cost_note = largest.seconds, None, ""
+    if largest.memory is not None:
+        cost = Cost(0.0, 0.0, 0.0)
+        for rows, calls in sorted(admissions.items()):
+            compiled = largest if rows == setup.rows[-1] else admit(
+                rows, f"engine admission ({rows} prompts, for its cost)")
+            if compiled is not largest:
+                seconds += compiled.seconds
+            if compiled.cost is None:
+                cost, cost_note = None, f"the admission of {rows} prompts was refused: {compiled.refusal}"
+                break
+            cost = cost + compiled.cost * calls
+    calls = sum(admissions.values())
+    if cost is not None:
+        cost = cost * (1 / max(calls, 1))  # per call, averaged over the row counts used
+    notes = (f"{setup.rows[-1]} prompts of {plen} tokens (the most one bank takes at a boundary) for memory; "
+             f"{calls} call(s) per step ({', '.join(f'{n} x {r} prompts' for r, n in sorted(admissions.items()))}: "
+             "one prefill per group)",)
+    programs.append(Program("engine admission", mesh.size, largest.memory, held, held_what, cost, calls, seconds,
+                            largest.refusal, hints, cost_note, actor=True, notes=notes))
+
+    # Bank resizes while draining: halved one step at a time, and back to full from every size.
+    pairs = list(zip(setup.sizes, setup.sizes[1:])) + [(size, full) for size in setup.sizes[1:]]
+    if pairs:
+        resizes = [compile_one(engine._resize, (setup.banks[a], sds((b,), jnp.int32)), topology,
+                               label=f"engine resize ({a} -> {b} slots)") for a, b in pairs]
+        worst = _worst(resizes)
+        # Not an argument of a resize, but on its devices: the weights and head it decodes with.
+        resize_held = held + weights + head_bytes
+        resize_what = "the engine's weights and head, " + held_what
+        notes = (f"{len(pairs)} programs ({', '.join(f'{a} -> {b}' for a, b in pairs)} slots); not in the step "
+                 "projection (with every sample decoding to max_new_tokens, no bank drains)",)
+        programs.append(Program("engine resize", mesh.size, worst.memory, resize_held, resize_what, worst.cost, 0,
+                                sum(r.seconds for r in resizes), worst.refusal, hints, actor=True, notes=notes))
+    return programs
+
+
+def engine_hints(config: Config, model_config: ModelConfig, layout: Layout, engine: Engine, weights: int,
+                 topology: Topology) -> tuple[str, ...]:
+    """Settings that shrink the engine's programs: the weights first (as sampler_hints), then the slots' KV
+    rings and the admission's prefill."""
+    cfg = config.sampler
+    hints = sampler_hints(config, model_config, layout, weights, topology)
+    if 2 * weights > topology.hbm_bytes:
+        return hints
+    now = f"now {engine.num_slots}" + ("" if cfg.slots else ": 0 means prompts_per_step / hosts x group_size")
+    hints = [f"fewer sampler.slots ({now}; each holds a KV ring of max_prompt_len + max_new_tokens = {engine.ring} "
+             f"positions)", f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len}",
+             hints[-1]]
+    kv, tensor = model_config.num_kv_heads, layout.actor_mesh.shape["tensor"]
+    if kv % tensor:
+        hints.append(f"a mesh.actor.tensor that divides num_kv_heads={kv} (now {tensor}: every actor device holds the "
+                     "whole KV ring of its slots)")
+    return tuple(hints)
+
+
 # ------------------------------------------------------------------------------------------ the weight sync
 
 
 def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, learner_state: dict,
-               actor_weights: int, lora: LoraConfig = LoraConfig()) -> tuple[list[Program], list[Transfer]]:
+               actor_weights: int, lora: LoraConfig = LoraConfig(),
+               actor_what: str = "the actor's copy of the weights") -> tuple[list[Program], list[Transfer]]:
     """The learner's new weights onto the actor's layout after every step (trainer.weights_copy); with LoRA
     the adapters only (the actor holds its own copy of the frozen base from the start).
 
@@ -736,13 +1004,14 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
         return [], [Transfer("weight sync copy", actor_in, seconds,
                              "device_put from the learner's shards onto the actor's devices, at the ICI figure")]
     replicated = NamedSharding(layout.learner_mesh, PartitionSpec())
-    compiled = compile_one(jax.jit(lambda tree: tree, out_shardings=replicated), (params,), topology)
+    compiled = compile_one(jax.jit(lambda tree: tree, out_shardings=replicated), (params,), topology,
+                           label="weight sync gather")
     held = learner_state["opt_state"] + learner_state["reference"] + learner_state["frozen"]
     held_what = "optimizer state" + (" and reference" if learner_state["reference"] else "") + \
         (" and the frozen base" if learner_state["frozen"] else "")
     if layout.shared:
         held += actor_weights
-        held_what += ", the actor's copy of the weights"
+        held_what += ", " + actor_what
     cost = None
     if compiled.cost is not None:
         gathered = full_bytes(params) - shard_bytes(params)  # into each learner device, over ICI
@@ -793,10 +1062,9 @@ def project_step(config: Config, model: ModelConfig, param_count: int, layout: L
     if any(p.cost is None for p in programs):
         return None
     learner = next(p for p in programs if p.name == "learner step")
-    sampler = next(p for p in programs if p.name == "sampler generate")
     gathers = sum(p.cost.seconds for p in programs if p.name == "weight sync gather")
     learner_seconds = learner.cost.seconds + gathers + sum(t.seconds for t in transfers)
-    actor_seconds = sampler.cost.seconds * sampler.calls_per_step
+    actor_seconds = sum(p.cost.seconds * p.calls_per_step for p in programs if p.actor)
     overlapped = not layout.shared and config.grpo.max_staleness > 0
     seconds = max(learner_seconds, actor_seconds) if overlapped else learner_seconds + actor_seconds
     rows = config.grpo.prompts_per_step * config.grpo.group_size
@@ -809,30 +1077,113 @@ def project_step(config: Config, model: ModelConfig, param_count: int, layout: L
 # ------------------------------------------------------------------------------------------ the command
 
 
-def compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "") -> Report:
-    """Lay `config` out on the topology as the trainer would and compile every program of a run."""
-    if config.sampler.engine != "static":
-        raise ConfigError(f"sampler.engine={config.sampler.engine}: grpo-jax compile compiles the static sampler only; "
-                          "set sampler.engine=static")
+def compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "", *,
+                isolate: bool = True) -> Report:
+    """Lay `config` out on the topology as the trainer would and compile every program of a run.
+
+    isolate: compile in a child process (one for the whole run), so that libtpu killing it (it aborts on some
+    layouts: a failed internal check, SIGABRT) becomes a CompilerCrash naming the program being compiled
+    instead of the end of this process. The child sends back the report; its output is kept from the
+    terminal (it is quoted when it fails)."""
+    if not isolate:
+        return _compile_run(config, topology_name, chips_per_host, config_path)
+    with tempfile.TemporaryDirectory(prefix="grpo-jax-compile-") as tmp:
+        work = pathlib.Path(tmp)
+        (work / "args.pkl").write_bytes(pickle.dumps((config, topology_name, chips_per_host, config_path)))
+        with open(work / "output", "wb") as output:
+            child = subprocess.Popen([sys.executable, "-c", "from grpo_jax.aot import _child_main; _child_main()",
+                                      str(work)], stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+            try:
+                code = child.wait()
+            except BaseException:  # interrupted: take the child down with us
+                child.kill()
+                child.wait()
+                raise
+        result = work / "result.pkl"
+        if code == 0 and result.exists():
+            kind, value = pickle.loads(result.read_bytes())
+            if kind == "error":
+                raise value
+            # Described devices do not pickle: the child sends the report without its topology, described again
+            # here (libtpu describes a slice without compiling anything, which is what crashes).
+            return dataclasses.replace(value, topology=tpu_topology(topology_name, chips_per_host))
+        progress = (work / "progress").read_text().splitlines() if (work / "progress").exists() else []
+        program = progress[-1] if progress else ""
+        text = (work / "output").read_text(errors="replace")
+    if code < 0:
+        raise CompilerCrash(crash_message(program, -code, text))
+    raise RuntimeError(f"grpo-jax compile: the compiling process exited with code {code}"
+                       f"{' while compiling ' + program if program else ''}; its output:\n{text[-20000:]}")
+
+
+def crash_message(program: str, signum: int, output: str) -> str:
+    """One line: the program whose compile killed the process, the signal, libtpu's failed check if it printed
+    one, that this is a compiler bug (not a memory verdict), and the layouts to try instead."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    check = next((" ".join(line[line.find("Check failed"):].split())[:200] for line in output.splitlines()
+                  if "Check failed" in line), "")
+    where = program or "the first program"
+    if signum == signal.SIGKILL:
+        return (f"{where}: the compiling process was killed (SIGKILL) while compiling it, most likely by the "
+                "system for want of host memory (not a verdict on the TPU's memory): compile on a machine with "
+                "more RAM")
+    base = where.split(" (")[0]
+    if base.startswith(("learner", "weight sync")):
+        layouts = ("another learner layout (mesh.learner.fsdp / mesh.learner.tensor / mesh.learner.data), or "
+                   "mesh.actor_devices=0 (the actor on the learner's devices, which changes the learner's mesh)")
+    else:
+        layouts = "another actor layout (mesh.actor.tensor, mesh.actor_devices, or mesh.actor_devices=0)"
+    return (f"{where}: libtpu's compiler crashed while compiling it ({name}{': ' + check if check else ''}); a bug in "
+            f"the TPU compiler on this layout, not a memory verdict: try {layouts}")
+
+
+def _child_main() -> None:
+    """The compiling child of compile_run: argv[1] is its work directory (args.pkl in; progress, result.pkl out)."""
+    global _PROGRESS
+    work = pathlib.Path(sys.argv[1])
+    _PROGRESS = work / "progress"
+    config, topology_name, chips_per_host, config_path = pickle.loads((work / "args.pkl").read_bytes())
+    try:
+        report = _compile_run(config, topology_name, chips_per_host, config_path)
+        result = ("report", dataclasses.replace(report, topology=None))  # its devices do not pickle
+    except UserError as e:
+        result = ("error", e)
+    (work / "result.pkl").write_bytes(pickle.dumps(result))
+
+
+def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "") -> Report:
     topology = tpu_topology(topology_name, chips_per_host)
     model = run_model_config(config)
     layout = run_layout(config, topology.devices)
     _, actor_state = abstract_params(model, layout.actor_mesh)
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(actor_state))
-    # What the other side keeps on shared devices (mesh.actor_devices=0): the actor's weights and head.
+    # What the other side keeps on shared devices (mesh.actor_devices=0): the actor's weights and head, and the
+    # continuous engine's slot state.
     head_bytes = model.vocab_size * model.hidden_size * np.dtype(DTYPES[model.dtype]).itemsize
     actor_bytes = shard_bytes(actor_state) + head_bytes // layout.actor_mesh.shape["tensor"]
+    actor_what = "the actor's copy of the weights"
+    setup = None
+    if config.sampler.engine == "continuous":
+        setup = engine_setup(config, model, layout)
+        actor_bytes += setup.state_bytes
+        actor_what += " and its engine's slot state"
     # A persistent compilation cache cannot load executables compiled for a described topology (there is no
     # TPU client): it would only write entries and warn.
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        learner, learner_state = learner_program(config, model, layout, topology, actor_bytes)
-        sampler = sampler_program(config, model, layout, topology, sum(learner_state.values()))
-        gather, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora)
+        learner, learner_state = learner_program(config, model, layout, topology, actor_bytes, actor_what)
+        if setup is not None:
+            actor = engine_programs(config, model, layout, topology, setup, sum(learner_state.values()))
+        else:
+            actor = [sampler_program(config, model, layout, topology, sum(learner_state.values()))]
+        gather, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora, actor_what)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
-    programs = [learner, sampler, *gather]
+    programs = [learner, *actor, *gather]
     step = project_step(config, model, param_count, layout, topology, programs, transfers)
     return Report(config_path, topology, model, param_count, describe_layout(layout), tuple(programs),
                   tuple(transfers), step)
@@ -905,6 +1256,8 @@ def format_report(report: Report) -> str:
             lines.append(f"  {p.name}: refused by the compiler: {p.refusal}")
         if p.cost_note:
             lines.append(f"  {p.name}: no time estimate: {p.cost_note}")
+        for note in p.notes:
+            lines.append(f"  {p.name}: {note}")
     for x in report.transfers:
         lines.append(f"{x.name}: {_size(x.bytes_per_device)}iB into each actor device, {_time(x.seconds)} ({x.how}; "
                      "a transfer, not a compiled program)")

@@ -59,6 +59,10 @@ def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | No
         values = read_config_file(config)
     else:
         raise ConfigError(f"config={config!r}: expected a Config, the path of a YAML file, or a mapping")
+    if isinstance(overrides, (str, bytes)):
+        # A string is iterable: unchecked, each character would be taken for an override ("override 't'").
+        raise ConfigError(f"overrides={overrides!r}: expected a list of key=value strings, e.g. "
+                          f"[{overrides!r}]")
     if rewards is not None:
         if not isinstance(rewards, (list, tuple)):
             raise ConfigError(f"rewards={rewards!r}: expected a list, e.g. [(my_reward, 1.0)]")
@@ -70,7 +74,8 @@ def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | No
 def train(config: Config | str | os.PathLike | dict, rewards: list | None = None, overrides: list[str] = (),
           run_dir: str | pathlib.Path | None = None) -> list[dict]:
     """Train as `grpo-jax train CONFIG [overrides] --run-dir RUN_DIR` does, and return the metrics history:
-    one dict per learner step of this call (the lines it appended to RUN_DIR/metrics.jsonl).
+    one dict per learner step of this call (the learner-step lines it appended to RUN_DIR/metrics.jsonl; the
+    evaluation lines there, "kind": "eval", are not in it: read_metrics(run_dir, kind="eval") has them).
 
     config: a Config, the path of a YAML file, or a mapping shaped like one. overrides: dotted key=value
     strings, as on the command line. run_dir: default, the config's run_dir; a run directory that holds a

@@ -194,13 +194,19 @@ def cmd_eval(args) -> None:
     rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
     evaluator = Evaluator(config, tokenizer, records, rewards,
                           batch_rows=config.grpo.prompts_per_step * config.grpo.group_size)
+    # Opened before evaluating: a path that cannot be written is refused before the work, not after it.
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:
+        sampler.close()
+        raise UsageError(f"--output={args.output}: cannot be written ({e.strerror}); name a file in an existing, "
+                         "writable directory") from None
     start = time.perf_counter()
     try:
-        result = evaluator.evaluate(sampler)
-    finally:
-        sampler.close()
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    try:
+        try:
+            result = evaluator.evaluate(sampler)
+        finally:
+            sampler.close()
         for prompt in result.prompts:
             out.write(json_line(prompt))
     finally:

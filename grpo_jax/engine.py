@@ -390,6 +390,20 @@ class Engine:
         self._static.state, self._static._head, self._static.adapters = self.state, self._head, self.adapters
         return self._static
 
+    def program_shapes(self, group_size: int = 1) -> tuple[list[int], list[int], list[int]]:
+        """The shapes of the programs a run with groups of `group_size` samples can use (what warm_up compiles,
+        and grpo_jax.aot compiles for a TPU slice): the bank sizes (full, then halved one step at a time while
+        draining), the prompt buckets, and the admission's row counts (every power-of-two count of prompts one
+        bank can take at a boundary, partly placed groups included)."""
+        cfg = self.config
+        sizes = [self.bank_slots]
+        while self.shrink and sizes[-1] // 2 >= self.min_bank_slots:
+            sizes.append(sizes[-1] // 2)
+        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len) for n in range(1, cfg.max_prompt_len + 1)})
+        most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
+        rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
+        return sizes, plens, rows
+
     def warm_up(self, group_size: int = 1) -> int:
         """Compile, up front, every program a run with groups of `group_size` samples can use: the decode chunk
         for every bank size, the bank resizes, and the admission for every prompt bucket and every power-of-two
@@ -399,12 +413,7 @@ class Engine:
             raise RuntimeError("warm_up() needs an idle engine")
         before = self.num_compilations
         cfg = self.config
-        sizes = [self.bank_slots]
-        while self.shrink and sizes[-1] // 2 >= self.min_bank_slots:
-            sizes.append(sizes[-1] // 2)
-        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len) for n in range(1, cfg.max_prompt_len + 1)})
-        most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
-        rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
+        sizes, plens, rows = self.program_shapes(group_size)
         bank = _Bank(self._empty(self.bank_slots, self.ring), self.bank_slots, cfg.max_new_tokens)
         dummy = _Request(np.zeros(1, np.int32), np.zeros((1, 2), np.uint32), 1, None)
         for plen in plens:

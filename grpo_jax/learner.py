@@ -439,7 +439,8 @@ def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fil
 def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                prompt_len: int, completion_len: int) -> TrainBatch:
     """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
-    sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length."""
+    sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length.
+    Returns NumPy arrays."""
     try:
         prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
         completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
@@ -454,7 +455,8 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
     behaviour = np.zeros((size, length - 1), np.float32)
     loss_mask[:, prompt_len - 1:] = completion_mask
     behaviour[:, prompt_len - 1:] = behaviour_scored
-    return TrainBatch(tokens=jnp.asarray(np.concatenate([prompt_ids, completion_ids], axis=1)),
-                      input_mask=jnp.asarray(np.concatenate([prompt_mask, completion_mask], axis=1)),
-                      loss_mask=jnp.asarray(loss_mask), advantages=jnp.asarray(advantages, jnp.float32),
-                      behaviour_logprobs=jnp.asarray(behaviour), completion_len=completion_len)
+    # Host arrays: the caller places them (the trainer commits them to the learner's batch sharding).
+    return TrainBatch(tokens=np.concatenate([prompt_ids, completion_ids], axis=1),
+                      input_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
+                      loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32),
+                      behaviour_logprobs=behaviour, completion_len=completion_len)

@@ -1,10 +1,14 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files under RUN_DIR/tb/, a progress bar and,
 when trainer.wandb asks for it, Weights & Biases (grpo_jax.wandb_logger).
 
-metrics.jsonl is the source of truth (one JSON object per learner step, flushed as written); TensorBoard,
-W&B and the progress bar are views of the same numbers. Evaluations (grpo_jax.evaluation) go to
-RUN_DIR/eval.jsonl instead, one line per evaluation: they arrive out of step order (an evaluation of weight
-version k finishes while the learner is past k), and metrics.jsonl stays one line per learner step.
+metrics.jsonl is the source of truth (flushed as written); TensorBoard, W&B and the progress bar are views of
+the same numbers. It holds one JSON object per learner step (no "kind" key) and, with evaluations
+(grpo_jax.evaluation), one more line per finished evaluation, marked "kind": "eval", whose "step" is the last
+learner step written before it (so "step" never goes back over the file) and whose "eval/weight_version" is
+the weight version it measured: evaluations finish out of step order (one of version k finishes while the
+learner is past k, the last one after the last step). Each evaluation is also a line of RUN_DIR/eval.jsonl,
+with "step" = the weight version. read_metrics(run_dir) returns the learner-step lines only; kind="eval" the
+evaluation lines.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from tqdm import tqdm
 
 from grpo_jax.wandb_logger import WandbConfig, WandbLogger
 
+EVAL_KIND = "eval"  # the "kind" of an evaluation line of metrics.jsonl; learner-step lines have no "kind"
+KINDS = ("step", "eval", "all")
 REQUIRED_KEYS = ("step", "reward/mean", "loss", "kl", "staleness/mean", "staleness/max", "time/step_s",
                  "tokens_per_s")
 
@@ -88,19 +94,25 @@ class MetricsWriter:
         self._bar.update(1)
 
     def write_eval(self, row: dict) -> None:
-        """One evaluation: a line of RUN_DIR/eval.jsonl, and TensorBoard scalars at row["step"] (the weight
-        version evaluated). W&B takes steps in increasing order only, so there the row is logged at the last
-        learner step written, and eval/weight_version says which weights it measured."""
+        """One evaluation (row["step"]: the weight version evaluated): a line of RUN_DIR/eval.jsonl as is; a
+        line of metrics.jsonl marked "kind": "eval", at the last learner step written, with
+        "eval/weight_version"; TensorBoard scalars at the weight version. W&B takes steps in increasing order
+        only, so there the row is logged at the last learner step written, with eval/weight_version too."""
         if self._eval_file is None:
             self._eval_file = open(self.run_dir / "eval.jsonl", "a", encoding="utf-8")
         self._eval_file.write(json_line(row))
         self._eval_file.flush()
+        version = int(row["step"])
+        values = {k: v for k, v in row.items() if k != "step"}
+        self._file.write(json_line({"kind": EVAL_KIND, "step": self._last_step, "eval/weight_version": version,
+                                    **values}))
+        self._file.flush()
         scalars = _scalars(row)
         if self._tb is not None:
             for key, value in scalars.items():
-                self._tb.add_scalar(key, value, int(row["step"]))
+                self._tb.add_scalar(key, value, version)
         if self._wandb is not None:
-            self._wandb.log({**scalars, "eval/weight_version": int(row["step"])}, self._last_step)
+            self._wandb.log({**scalars, "eval/weight_version": version}, self._last_step)
 
     def close(self) -> None:
         self._bar.close()
@@ -113,15 +125,28 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-def read_metrics(run_dir: str | pathlib.Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl (or of `name`, e.g. eval.jsonl); a torn last line is skipped."""
+def is_eval_line(row: dict) -> bool:
+    """Whether a metrics.jsonl row is an evaluation line (not a learner step's)."""
+    return row.get("kind") == EVAL_KIND
+
+
+def read_metrics(run_dir: str | pathlib.Path, name: str = "metrics.jsonl", kind: str = "step") -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl (or of `name`, e.g. eval.jsonl); a torn last line is skipped.
+
+    kind: "step" (default), the learner-step lines (one per step: evaluation lines left out); "eval", the
+    evaluation lines ("kind": "eval"); "all", every line in file order. eval.jsonl's rows carry no "kind": any
+    kind but "eval" returns them all."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
     path = pathlib.Path(run_dir) / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a grpo_jax run directory?")
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line from a killed run
+        if kind == "all" or is_eval_line(row) == (kind == "eval"):
+            rows.append(row)
     return rows

@@ -1,5 +1,6 @@
-"""`grpo-jax plot RUN_DIR`: PNGs of reward, KL, completion lengths, staleness and throughput, and of the
-held-out evaluations (eval.png) when the run made any."""
+"""`grpo-jax plot RUN_DIR`: PNGs of reward, KL, completion lengths, staleness and throughput (from the
+learner-step lines of metrics.jsonl), and of the held-out evaluations (eval.png) when the run made any (from
+eval.jsonl, or from the evaluation lines of metrics.jsonl when eval.jsonl is missing)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def plot_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = N
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    rows = read_metrics(run_dir)  # the learner-step lines: evaluation lines left out
     if not rows:
         raise ValueError(f"{pathlib.Path(run_dir) / 'metrics.jsonl'} has no steps to plot")
     out = pathlib.Path(out_dir or pathlib.Path(run_dir) / "plots")
@@ -55,9 +56,20 @@ def plot_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = N
     fig.savefig(out / "staleness.png", dpi=100)
     plt.close(fig)
     written.append(out / "staleness.png")
-    if (pathlib.Path(run_dir) / "eval.jsonl").is_file():
-        written.append(plot_evaluations(read_metrics(run_dir, "eval.jsonl"), out / "eval.png", plt))
+    evaluations = read_evaluations(run_dir)
+    if evaluations:
+        written.append(plot_evaluations(evaluations, out / "eval.png", plt))
     return written
+
+
+def read_evaluations(run_dir: str | pathlib.Path) -> list[dict]:
+    """The run's evaluations, each with "step" = the weight version evaluated: the rows of eval.jsonl, or,
+    without that file, the evaluation lines of metrics.jsonl (whose "step" is the learner step they were
+    written at, their "eval/weight_version" the version)."""
+    if (pathlib.Path(run_dir) / "eval.jsonl").is_file():
+        return read_metrics(run_dir, "eval.jsonl")
+    return [{**{k: v for k, v in row.items() if k not in ("kind", "eval/weight_version")},
+             "step": row["eval/weight_version"]} for row in read_metrics(run_dir, kind="eval")]
 
 
 def plot_evaluations(rows: list[dict], path: pathlib.Path, plt) -> pathlib.Path:

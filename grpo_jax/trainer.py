@@ -53,12 +53,12 @@ from grpo_jax.learner import Learner, mini_batch_of_row, pack_batch
 from grpo_jax.lora import base_identity, init_adapters, save_peft_adapter
 from grpo_jax.ledger import Ledger, global_ordinal, ledger_file
 from grpo_jax.metrics import MetricsWriter
-from grpo_jax.model import Transformer, create_model
+from grpo_jax.model import DTYPES, Transformer, create_model
 from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.run_lock import RunDirLock
 from grpo_jax.engine import make_generator
-from grpo_jax.sharding import batch_sharding, make_mesh, shard_module, state_shardings
+from grpo_jax.sharding import WeightSync, batch_sharding, make_mesh, shard_module, state_shardings
 from grpo_jax.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("grpo_jax.trainer")
@@ -111,19 +111,17 @@ def split_devices(config: Config) -> tuple[list, list]:
     return local[:n], [d for host in by_process(jax.devices()) for d in host[n:]]
 
 
-def weights_copy(state, shardings, replicate=None, may_alias=False):
+def weights_copy(state, shardings, sync: WeightSync | None = None, may_alias=False):
     """The learner's weights placed on the actor's layout, as a separate copy: the learner donates its
     buffers to the next step, so the actor must never hold the same ones (may_alias: weights that are
     never donated, the frozen LoRA base, may share the learner's buffers where both layouts agree).
 
-    Several processes: `replicate` (jitted on the learner mesh) first gathers the full weights onto every
-    learner device, then each host copies its local replica onto its own actor devices. (JAX cannot
-    reshard between two device sets across processes; the gather needs one full copy of the parameters
-    per learner device for a moment.)"""
-    if replicate is None:
-        return jax.device_put(state, shardings, may_alias=may_alias)
-    local_copy = jax.tree.map(lambda x: x.addressable_data(0), replicate(state))
-    return jax.device_put(local_copy, shardings, may_alias=may_alias)
+    By resharding (sharding.WeightSync), never through a whole copy on any device: on several processes
+    one jitted program on the learner mesh first gives every host a whole copy spread over its own learner
+    devices (in the compute dtype when narrower than the weights', which halves the bytes moved), then
+    each host assembles every shard of its actor's layout on its actor device from the slices of its
+    learner shards that overlap it."""
+    return (sync or WeightSync())(state, shardings, may_alias=may_alias)
 
 
 def replica_digest(state) -> int:
@@ -243,15 +241,14 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(f"mesh: {e} (actor: {len(actor_devices)} device(s)"
                               f"{' on this host' if self.processes > 1 else ''}, learner: {len(learner_devices)})") from e
-        if self.processes > 1:
-            # Each process feeds its own rows of the batch, which is split over data x fsdp in process order.
-            splits = self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"]
-            rows = self.local_prompts * config.grpo.group_size
-            if splits % self.processes or rows % (splits // self.processes):
-                raise ConfigError(
-                    f"mesh.learner: the batch is split {splits} ways (data x fsdp) over {self.processes} processes; "
-                    f"each process's {rows} rows (prompts_per_step / processes x group_size) must split evenly "
-                    "over its share of those devices")
+        # Each process feeds its own rows of the batch, which is split over data x fsdp in process order.
+        splits = self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"]
+        rows = self.local_prompts * config.grpo.group_size
+        if splits % self.processes or rows % (splits // self.processes):
+            where = (f" over {self.processes} processes; each process's {rows} rows (prompts_per_step / processes "
+                     f"x group_size)" if self.processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
+            raise ConfigError(f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split "
+                              "evenly over those devices")
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         reference, adapters = None, None
@@ -266,9 +263,11 @@ class Trainer:
         self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
         self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
         self.agreement = HostAgreement(learner_devices)
-        self._replicate = None
+        self._replicate = None  # the final model's export gathers whole weights (a sync never does)
         if self.processes > 1:
             self._replicate = jax.jit(lambda tree: tree, out_shardings=self.replicated)
+        # The actor gets (and keeps) the weights in the compute dtype when it is narrower than param_dtype.
+        self.weight_sync = WeightSync(DTYPES[config.model.dtype])
         self.base_key = jax.random.key(config.seed)
         self.version = 0
 
@@ -304,12 +303,12 @@ class Trainer:
 
         self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
         actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings,
-                                                                    self._replicate))
+                                                                    self.weight_sync))
         actor_adapters = None
         if self.learner.frozen is not None:  # LoRA: the actor's own copy of the base, once; syncs bring adapters
             frozen = self.learner.frozen
             actor_adapters, actor_model = actor_model, nnx.merge(self.learner.base_graphdef, weights_copy(
-                frozen, state_shardings(frozen, self.actor_mesh), self._replicate, may_alias=True))
+                frozen, state_shardings(frozen, self.actor_mesh), self.weight_sync, may_alias=True))
         # sampler.engine: the continuous Engine (slots default: one step's samples) or the static Sampler.
         self.sampler = make_generator(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
                                       config=config.sampler, adapters=actor_adapters,
@@ -641,11 +640,11 @@ class Trainer:
 
     def _sync_weights(self) -> dict:
         start = time.perf_counter()
-        state = weights_copy(self.learner.params, self.actor_shardings, self._replicate)
+        state = weights_copy(self.learner.params, self.actor_shardings, self.weight_sync)
         jax.block_until_ready(state)
         seconds = time.perf_counter() - start
         self.actor.push_weights(state, self.version)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))  # as sent: in the compute dtype when narrower
         metrics = {"sync/seconds": seconds, "sync/bytes": nbytes}
         if self.processes > 1 and self.config.trainer.check_replicas:
             digests = self.agreement.gather([replica_digest(state)])[:, 0].tolist()
@@ -812,9 +811,11 @@ class Trainer:
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
                            self.prompt_bucket, self.completion_bucket)
-        if self.processes > 1:  # this process's rows of the global batch
-            sharding = batch_sharding(self.learner_mesh)
-            batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+        # Committed to the learner's batch sharding, also on one process: an uncommitted batch leaves the
+        # layout to the compiler, which may keep whole-batch tensors on every learner device. On several
+        # processes these are this process's rows of the global batch.
+        sharding = batch_sharding(self.learner_mesh)
+        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
         learn_start = time.perf_counter()
         metrics, applied = self.learner.step(batch)
         learn_seconds = time.perf_counter() - learn_start

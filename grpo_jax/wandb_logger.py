@@ -71,8 +71,11 @@ class WandbLogger:
     def __init__(self, config: WandbConfig, run_dir: str | pathlib.Path, run_config: dict):
         try:
             import wandb
-        except ImportError as e:
-            raise ConfigError(f"trainer.wandb.mode={config.mode}: wandb cannot be imported ({e}): {INSTALL}") from e
+        except Exception as e:  # noqa: BLE001 - an install that fails to import (e.g. a protobuf clash) raises
+            # whatever its dependencies raise, not only ImportError; either way the fix is the user's install.
+            message = " ".join(str(e).split())
+            raise ConfigError(f"trainer.wandb.mode={config.mode}: wandb cannot be imported ({type(e).__name__}: "
+                              f"{message}): reinstall it ({INSTALL}) or set trainer.wandb.mode=disabled") from e
         self.run_dir = pathlib.Path(run_dir)
         id_file = self.run_dir / RUN_ID_FILE
         run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else uuid.uuid4().hex[:16]

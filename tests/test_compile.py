@@ -1,5 +1,8 @@
 """`grpo-jax compile`: every program of a run compiled for a TPU topology on this CPU machine (libtpu from
-the jax[tpu] test extra; without it these tests fail, they do not skip)."""
+the jax[tpu] test extra; without it these tests fail, they do not skip). The static sampler and the
+continuous engine (the default) are each compiled once on one host and once on two; the report fixtures
+compile in this process, except the engine's two-host one, which goes through the compiling child process
+as the command does."""
 
 import json
 import math
@@ -9,7 +12,8 @@ import jax
 import pytest
 from flax import nnx
 
-from grpo_jax.aot import DoesNotFit, compile_run, format_report, model_flops_per_step
+from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, compile_run, format_report, model_flops_per_step,
+                          run_layout)
 from grpo_jax.cli import main
 from grpo_jax.config import Config
 from grpo_jax.config_io import load_config
@@ -24,16 +28,23 @@ SHAPES = REPO / "configs" / "shapes"
 # mini-batches, two epochs) of two micro-batches each, so every loop of the learner step runs more than once.
 SMALL = ["grpo.prompts_per_step=8", "grpo.group_size=4", "optim.mini_batches=2", "optim.epochs=2",
          "optim.micro_batch_size=8", "mesh.actor_devices=2", "mesh.actor.tensor=2", "mesh.actor.fsdp=1",
-         "mesh.learner.fsdp=2", "sampler.decode_streams=1", "sampler.engine=static"]  # what compile covers
+         "mesh.learner.fsdp=2", "sampler.decode_streams=1", "sampler.engine=static"]
+# The continuous engine: one bank of 8 x 4 = 32 slots on one host (16 on each of two), chunks of 4 steps, so
+# that a sample (8 tokens) spans two chunks and the bank halves while draining (32 -> 16 -> 8 slots).
+ENGINE = [*SMALL[:-1], "sampler.engine=continuous", "sampler.chunk_steps=4"]
 
 
 def tiny(*overrides: str) -> Config:
     return load_config(Config, TINY, [*SMALL, *overrides])
 
 
+def tiny_engine(*overrides: str) -> Config:
+    return load_config(Config, TINY, [*ENGINE, *overrides])
+
+
 @pytest.fixture(scope="module")
 def one_host():
-    return compile_run(tiny(), "v5e:2x2")
+    return compile_run(tiny(), "v5e:2x2", isolate=False)
 
 
 TWO_HOSTS = ["mesh.learner.fsdp=4"]  # two learner devices on each host
@@ -41,7 +52,17 @@ TWO_HOSTS = ["mesh.learner.fsdp=4"]  # two learner devices on each host
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    return compile_run(tiny(*TWO_HOSTS), "v5p:2x2x2")
+    return compile_run(tiny(*TWO_HOSTS), "v5p:2x2x2", isolate=False)
+
+
+@pytest.fixture(scope="module")
+def engine_one_host():
+    return compile_run(tiny_engine(), "v5e:2x2", isolate=False)
+
+
+@pytest.fixture(scope="module")
+def engine_two_hosts():
+    return compile_run(tiny_engine(*TWO_HOSTS), "v5p:2x2x2")  # in the compiling child, as the command does
 
 
 def param_bytes(config: Config) -> int:
@@ -145,3 +166,72 @@ def test_shape_files_describe_the_public_models_without_weights(name):
     assert json.loads((directory / "config.json").read_text())["torch_dtype"] == "bfloat16"
     with pytest.raises(CheckpointError, match="no weights"):
         load_hf_model(directory)
+
+
+def test_continuous_engine_compiles_on_one_host(engine_one_host):
+    report = engine_one_host
+    assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize"]
+    weights = param_bytes(tiny_engine())
+    for program in report.programs:
+        assert program.memory is not None and not program.refusal
+        assert 0 < program.total < report.topology.hbm_bytes
+    chunk, admission = report.program("engine chunk"), report.program("engine admission")
+    for program in (chunk, admission):
+        assert program.devices == 2 and program.actor
+        # The actor's weights (split over its two devices) and the bank's slots are arguments; the bank is donated.
+        assert program.memory.arguments >= weights / 2
+        assert program.memory.aliased > 0
+        assert program.held >= weights / 2  # the next weights arrive while it decodes
+    # 32 samples fill the 32 slots once; 8 tokens: the admission's first token, then 7 steps in 2 chunks of 4.
+    assert (chunk.calls_per_step, admission.calls_per_step, report.program("engine resize").calls_per_step) == (2, 1, 0)
+    # A chunk is costed as chunk_steps decode steps of all 32 slots: 2 FLOPs per weight per slot per step at least.
+    count = report.param_count
+    assert 2 * count * 32 * 4 <= chunk.cost.flops * chunk.devices <= 4 * 2 * count * 32 * 4
+    step = report.step
+    assert step.actor_seconds == pytest.approx(2 * chunk.cost.seconds + admission.cost.seconds)
+    text = format_report(report)
+    for words in ("engine chunk", "engine admission", "banks of 32, 16, 8 slots", "projected step"):
+        assert words in text
+
+
+def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
+    report = engine_two_hosts
+    # The report came back from the compiling child; its topology is described again here, with real devices.
+    assert report.topology.processes == 2 and len(report.topology.devices) == 8
+    assert run_layout(tiny_engine(*TWO_HOSTS), report.topology.devices).actor_mesh.size == 2
+    assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize",
+                                                 "weight sync gather"]
+    weights = param_bytes(tiny_engine(*TWO_HOSTS))
+    for name in ("engine chunk", "engine admission"):
+        program = report.program(name)
+        assert program.memory.arguments >= weights / 2 and program.total < report.topology.hbm_bytes
+    # Each host samples its 4 prompts x 4 in a bank of 16 slots: one wave, 2 chunks, one admission of 4 prompts.
+    assert report.program("engine chunk").calls_per_step == 2
+    assert report.program("engine admission").calls_per_step == 1
+    assert report.step is not None and report.step.seconds > 0
+
+
+def test_oversized_engine_slots_are_refused_in_one_line(capsys):
+    # 2^21 slots of 24 ring positions: their KV rings alone take 24 GiB on each of the two actor devices.
+    code = main(["compile", TINY, *ENGINE, "sampler.slots=2097152", "sampler.chunk_steps=16", "--topology", "v5e:2x2"])
+    assert code == DoesNotFit.exit_code
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("grpo-jax: error:")]
+    assert len(errors) == 1, captured.err
+    assert errors[0].startswith("grpo-jax: error: does not fit on v5e:2x2: engine chunk ")
+    assert "learner step" not in errors[0]
+    assert "fewer sampler.slots (now 2097152" in errors[0]
+
+
+def test_a_compiler_crash_is_one_line(capsys, monkeypatch):
+    """libtpu aborts the process on some layouts (a failed check): the compile runs in a child process, and its
+    death by a signal is one line that names the program, the signal and the layouts to try."""
+    monkeypatch.setenv(ABORT_AT_ENV, "learner step")  # the child os.abort()s there, as libtpu does
+    code = main(["compile", TINY, *ENGINE, "--topology", "v5e:2x2"])
+    assert code == CompilerCrash.exit_code == 5
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("grpo-jax: error:")]
+    assert len(errors) == 1 and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert errors[0].startswith("grpo-jax: error: learner step: libtpu's compiler crashed while compiling it (SIGABRT)")
+    assert "not a memory verdict" in errors[0] and "mesh.learner.fsdp" in errors[0]
+    assert captured.out == ""

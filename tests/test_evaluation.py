@@ -16,6 +16,7 @@ from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.errors import DataError
 from grpo_jax.evaluation import held_out_records, pass_at_k
 from grpo_jax.ledger import EVENT_KINDS, audit
+from grpo_jax.metrics import read_metrics
 from grpo_jax.tasks import make_synthetic_dataset
 from grpo_jax.tokenizer import load_tokenizer
 
@@ -52,6 +53,40 @@ def test_pass_at_k_equals_the_brute_force_count_over_subsets():
         pass_at_k(4, 5, 2)
 
 
+def test_evaluations_are_lines_of_metrics_jsonl_that_step_readers_leave_out(tmp_path):
+    """An evaluation finishes after later learner steps were written: its metrics.jsonl line goes at the last
+    step written, marked, with the weight version it measured; read_metrics, plot and train() see the steps."""
+    from grpo_jax.metrics import MetricsWriter
+    from grpo_jax.plot import plot_run, read_evaluations
+
+    writer = MetricsWriter(tmp_path, total_steps=3, progress=False, tensorboard=False)
+    step = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "staleness/mean": 0.0, "staleness/max": 0,
+            "time/step_s": 1.0, "tokens_per_s": 10.0}
+    evaluation = {"eval/requested_step": 0, "eval/pass@1": 0.25, "eval/mean@k": 0.5, "eval/pass@k": 0.75,
+                  "eval/reward/mean": 0.4, "eval/length/mean": 3.0, "eval/samples": 4, "eval/k": 4}
+    writer.write_eval({"step": 0, **evaluation})
+    for i in (1, 2, 3):
+        writer.write({"step": i, **step})
+    writer.write_eval({"step": 2, **evaluation, "eval/requested_step": 2, "eval/pass@k": float("nan")})
+    writer.close()
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(m.get("kind"), m["step"], m.get("eval/weight_version")) for m in lines] == [
+        ("eval", 0, 0), (None, 1, None), (None, 2, None), (None, 3, None), ("eval", 3, 2)]
+    assert lines[4] == {"kind": "eval", "step": 3, "eval/weight_version": 2, **evaluation,
+                        "eval/requested_step": 2, "eval/pass@k": None}
+    assert read_metrics(tmp_path) == lines[1:4] and read_metrics(tmp_path, kind="eval") == [lines[0], lines[4]]
+    assert read_metrics(tmp_path, kind="all") == lines
+    with pytest.raises(ValueError, match=r"kind='evals': expected one of \['step', 'eval', 'all'\]"):
+        read_metrics(tmp_path, kind="evals")
+    eval_rows = read_jsonl(tmp_path / "eval.jsonl")
+    assert [r["step"] for r in eval_rows] == [0, 2]
+    assert {p.name for p in plot_run(tmp_path)} >= {"reward.png", "eval.png"}
+    # The eval figure reads metrics.jsonl's evaluation lines when eval.jsonl is gone.
+    (tmp_path / "eval.jsonl").unlink()
+    assert read_evaluations(tmp_path) == eval_rows
+    assert "eval.png" in {p.name for p in plot_run(tmp_path, tmp_path / "plots2")}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> pathlib.Path:
     """`grpo-jax train` with evaluation, on one CPU device: the replicated tiny model computed on the eight
@@ -67,7 +102,7 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_alone(trained_run):
+def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_alone(trained_run, tmp_path):
     rows = read_jsonl(trained_run / "eval.jsonl")
     assert [r["step"] for r in rows] == list(range(0, STEPS + 1, EVERY))
     assert [r["eval/requested_step"] for r in rows] == [r["step"] for r in rows]  # synchronous: never late
@@ -75,9 +110,24 @@ def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_
         assert row["eval/prompts"] == 32 and (row["eval/samples"], row["eval/k"]) == (4, 4)
         assert {"eval/pass@1", "eval/mean@k", "eval/pass@k", "eval/reward/mean", "eval/reward/greedy",
                 "eval/length/mean", "eval/length/greedy", "eval/seconds"} <= set(row)
-    metrics = read_jsonl(trained_run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert not [key for m in metrics for key in m if key.startswith("eval/")]
+    # metrics.jsonl: a line per learner step, unchanged, and a line per evaluation, marked, at the last learner
+    # step written before it (step never goes back over the file), with the values of its eval.jsonl row.
+    lines = read_jsonl(trained_run / "metrics.jsonl")
+    assert [m["step"] for m in lines] == sorted(m["step"] for m in lines)
+    steps = [m for m in lines if "kind" not in m]
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    assert not [key for m in steps for key in m if key.startswith("eval/")]
+    evals = [m for m in lines if "kind" in m]
+    assert {m["kind"] for m in evals} == {"eval"}
+    assert [m["eval/weight_version"] for m in evals] == [r["step"] for r in rows]
+    for line, row in zip(evals, rows):
+        assert line["step"] >= row["step"]  # requested after the line of step row["step"]
+        assert {k: v for k, v in line.items() if k not in ("kind", "step", "eval/weight_version")} == \
+            {k: v for k, v in row.items() if k != "step"}
+    # The baseline (version 0) is written after a learner step at the earliest; the final one after the last.
+    assert evals[-1]["step"] == STEPS and lines[-1] == evals[-1]
+    assert read_metrics(trained_run) == steps and read_metrics(trained_run, kind="eval") == evals
+    assert read_metrics(trained_run, kind="all") == lines
     # Evaluation neither writes to the ledger nor takes prompts from the training stream.
     events = read_jsonl(trained_run / "events.jsonl")
     assert {e["event"] for e in events} <= set(EVENT_KINDS)
@@ -86,8 +136,14 @@ def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_
     # TensorBoard's tag rules turn "@" into "_": eval/pass@1 is eval/pass_1 there.
     event_files = list((trained_run / "tb").iterdir())
     assert any(b"eval/pass_1" in path.read_bytes() for path in event_files), "no eval scalar in TensorBoard"
-    from grpo_jax.plot import plot_run
+    from grpo_jax.plot import plot_run, read_evaluations
     assert "eval.png" in {p.name for p in plot_run(trained_run)}
+    # Without eval.jsonl, the figure comes from metrics.jsonl's evaluation lines: the same rows.
+    no_eval_file = tmp_path / "copy"
+    no_eval_file.mkdir()
+    (no_eval_file / "metrics.jsonl").write_bytes((trained_run / "metrics.jsonl").read_bytes())
+    assert read_evaluations(no_eval_file) == rows
+    assert {p.name for p in plot_run(no_eval_file)} == {p.name for p in plot_run(trained_run)}
 
 
 def test_a_trained_model_scores_higher_and_the_eval_command_reproduces_the_run(trained_run, tmp_path, capsys):
@@ -195,3 +251,21 @@ def test_eval_sources_that_hold_no_held_out_prompt_are_refused(gsm8k_dir, tmp_pa
     assert main(["eval", TINY, "--model", str(tmp_path / "missing")]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert "no held-out prompt" in err and len(err.splitlines()) == 1
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_evaluating(tmp_path, capsys, monkeypatch):
+    from grpo_jax.evaluation import Evaluator
+
+    model = tmp_path / "untrained"
+    assert main(["init-model", TINY, *SETTINGS, "--out", str(model)]) == 0
+
+    def no_evaluation(self, sampler, cancelled=None):
+        raise AssertionError("evaluated before checking --output")
+
+    monkeypatch.setattr(Evaluator, "evaluate", no_evaluation)
+    capsys.readouterr()
+    output = tmp_path / "no_such_dir" / "eval.jsonl"
+    assert main(["eval", TINY, *SETTINGS, "--model", str(model), "--output", str(output)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"grpo-jax: error: --output={output}: cannot be written (No such file or directory); name a file "
+                   "in an existing, writable directory"], err

@@ -273,11 +273,23 @@ def tiny_config(tmp_path, *overrides) -> Config:
     return load_config(Config, REPO / "configs" / "tiny_cpu.yaml", FAST + [f"run_dir={tmp_path}"] + list(overrides))
 
 
+def distinct_characters_reward(records, completions, lengths):
+    """A reward that differs between almost any two completions of a random model, so a group's advantages
+    are never all zero. (The copy task's reward can give every sample of a step the same score, and then the
+    update leaves B at its initial zeros.)"""
+    return [float(len(set(text))) for text in completions]
+
+
 def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_path):
+    from grpo_jax.rewards import register_function
     from grpo_jax.trainer import Trainer
 
+    # A reward that varies between completions: with the copy task's, every group of the 3 steps can score
+    # evenly, no update moves B, and the check that the adapters trained would fail by chance.
+    reward = f'rewards=[{{name: "{register_function(distinct_characters_reward)}"}}]'
     config = tiny_config(tmp_path, "lora.rank=4", "lora.alpha=8", "trainer.max_steps=3", "loss.kl_coef=0.05",
-                         "mesh.learner.fsdp=4", "mesh.learner.tensor=2", "mesh.actor.fsdp=8", "sampler.engine=static")
+                         "mesh.learner.fsdp=4", "mesh.learner.tensor=2", "mesh.actor.fsdp=8", "sampler.engine=static",
+                         reward)
     trainer = Trainer(config)
     base = host(nnx.state(create_model(config.model, seed=config.seed)))
     history = trainer.train()
@@ -289,7 +301,9 @@ def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_p
     for want, learner_leaf, actor_leaf in zip(base, host(trainer.learner.frozen), host(trainer.sampler.state)):
         np.testing.assert_array_equal(learner_leaf, want)
         np.testing.assert_array_equal(actor_leaf, want)
-    assert max(np.abs(b).max() for b in host(nnx.state(trainer.learner.adapters(), nnx.Param))) > 0
+    # B only: A starts random, so a check over every adapter parameter would pass with no training at all.
+    assert min(np.abs(np.asarray(getattr(layer, name).b[...])).max()
+               for layer in trainer.learner.adapters().layers for name in TARGETS) > 0
     for learner_leaf, actor_leaf in zip(host(trainer.learner.params), host(trainer.sampler.adapters)):
         np.testing.assert_array_equal(learner_leaf, actor_leaf)
     # Optimizer moments for the adapters only, in the checkpoint too.
@@ -313,26 +327,21 @@ def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_p
         assert said in str(info.value).split("this config has")[1]
     resumed = Trainer(tiny_config(tmp_path, "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "trainer.max_steps=4",
                                   "loss.kl_coef=0.05", "mesh.learner.fsdp=4", "mesh.learner.tensor=2",
-                                  "mesh.actor.fsdp=8", "sampler.engine=static"))
+                                  "mesh.actor.fsdp=8", "sampler.engine=static", reward))
     for saved, restored in zip(host(trainer.learner.params), host(resumed.learner.params)):
         np.testing.assert_array_equal(saved, restored)
     assert [m["step"] for m in resumed.train()] == [4]
-
-
-def distinct_characters_reward(records, completions, lengths):
-    """A reward that differs between almost any two completions of a random model, so a group's advantages
-    are never all zero and the first update moves B off its initial zeros. (The copy task's reward can give
-    every sample of a step the same score, and then Adam's update is exactly zero.)"""
-    return [float(len(set(text))) for text in completions]
 
 
 def test_continuous_engine_samples_with_the_adapters_it_is_sent(tmp_path):
     from grpo_jax.rewards import register_function
     from grpo_jax.trainer import Trainer
 
-    # Synchronous (max_staleness 0): step 2's groups come from the adapters synced after step 1.
+    # Synchronous (max_staleness 0): step 2's groups come from the adapters synced after step 1. No warm-up:
+    # its first update has lr 0, and then the adapters synced after step 1 would still be the initial ones
+    # (the actor may stop before it adopts step 2's).
     reward = register_function(distinct_characters_reward)
-    config = tiny_config(tmp_path, "lora.rank=4", "trainer.max_steps=2", "grpo.max_staleness=0",
+    config = tiny_config(tmp_path, "lora.rank=4", "trainer.max_steps=2", "grpo.max_staleness=0", "optim.warmup_steps=0",
                          f'rewards=[{{name: "{reward}"}}]',
                          "sampler.engine=continuous", "mesh.actor_devices=4", "mesh.actor.fsdp=4",
                          "mesh.learner.fsdp=4", "trainer.save_final_model=false", "checkpoint.save_at_end=false")

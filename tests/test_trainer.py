@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from grpo_jax.config import Config
-from grpo_jax.config_io import load_config
+from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.ledger import audit
 from grpo_jax.metrics import REQUIRED_KEYS
 from grpo_jax.trainer import Trainer, TrainerError
@@ -47,15 +47,25 @@ def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
     trainer = Trainer(config)
     assert len(trainer.actor_mesh.devices.flat) == 4 and len(trainer.learner_mesh.devices.flat) == 4
     assert not set(trainer.actor_mesh.devices.flat) & set(trainer.learner_mesh.devices.flat)
+    batch_specs, learner_step = [], trainer.learner.step
+
+    def recording_step(batch):
+        batch_specs.append({leaf.sharding.spec for leaf in jax.tree.leaves(batch)})
+        return learner_step(batch)
+
+    trainer.learner.step = recording_step
     history = trainer.train()
     assert [m["step"] for m in history] == list(range(1, 7))
+    # The batch arrives committed to the learner's rows layout (an uncommitted one may sit whole on each device).
+    assert batch_specs == [{jax.sharding.PartitionSpec(("data", "fsdp"))}] * 6
     for m in history:
         assert set(REQUIRED_KEYS) <= set(m)
         assert m["staleness/max"] <= 2
         assert m["sync/bytes"] > 0
     trained, _ = assert_every_ordinal_accounted_once(tmp_path)
     assert len(trained) == 6 * 4
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") != "eval"]  # the learner-step lines
     assert len(rows) == 6 and rows[-1]["step"] == 6
     assert list((tmp_path / "tb").iterdir()), "no TensorBoard event file"
     assert (tmp_path / "config.yaml").is_file()
@@ -71,6 +81,13 @@ def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
     from grpo_jax.plot import plot_run
     names = {p.name for p in plot_run(tmp_path)}
     assert {"reward.png", "kl.png", "lengths.png", "staleness.png", "throughput.png"} <= names
+
+
+def test_a_batch_that_does_not_split_over_the_learner_devices_is_refused(tmp_path):
+    config = tiny_config(tmp_path, "grpo.group_size=3", "mesh.learner.fsdp=8", "mesh.actor.fsdp=8")
+    with pytest.raises(ConfigError, match=r"mesh.learner: the batch is split 8 ways \(data x fsdp\); its 12 rows "
+                                          r"\(prompts_per_step x group_size\) must split evenly"):
+        Trainer(config)
 
 
 def test_synchronous_run_on_shared_devices_is_on_policy(tmp_path):

@@ -163,6 +163,9 @@ def test_python_api_reward_forms_and_refusals(monkeypatch):
         resolve_config(TINY, rewards=[("nope", 1.0)])
     with pytest.raises(ConfigError, match="config=3: expected a Config, the path of a YAML file, or a mapping"):
         resolve_config(3)
+    with pytest.raises(ConfigError, match=r"overrides='trainer.max_steps=5': expected a list of key=value strings, "
+                                          r"e.g. \['trainer.max_steps=5'\]"):
+        resolve_config(TINY, overrides="trainer.max_steps=5")
 
 
 def test_importing_grpo_jax_does_not_import_jax():

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from grpo_jax.cli import EXIT_USER_ERROR, main
-from grpo_jax.config_io import config_to_dict
+from grpo_jax.config_io import ConfigError, config_to_dict
 from grpo_jax.ledger import audit
 from grpo_jax.metrics import read_metrics
 from grpo_jax.run_lock import lock_file
@@ -80,6 +80,36 @@ def test_wandb_gets_each_metrics_row_the_config_and_the_ledger_summary(tmp_path,
     assert fake_wandb.runs[1].summary["ledger/restarts"] == 1
 
 
+def test_evaluations_reach_wandb_at_steps_that_never_go_back(tmp_path, fake_wandb):
+    """An evaluation of weight version k can finish after the learner wrote step k + n, and W&B drops a step
+    below its last one: the row goes at the last learner step written, with the version it measured."""
+    from grpo_jax.metrics import MetricsWriter
+    from grpo_jax.wandb_logger import WandbConfig
+
+    writer = MetricsWriter(tmp_path, total_steps=2, progress=False, tensorboard=False,
+                           wandb=WandbConfig(mode="offline", project="p"), run_config={"seed": 0})
+    step = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "staleness/mean": 0.0, "staleness/max": 0,
+            "time/step_s": 1.0, "tokens_per_s": 10.0}
+    writer.write_eval({"step": 0, "eval/requested_step": 0, "eval/pass@1": 0.25, "eval/pass@k": float("nan")})
+    writer.write({"step": 1, **step})
+    writer.write({"step": 2, **step})
+    writer.write_eval({"step": 1, "eval/requested_step": 1, "eval/pass@1": 0.5, "eval/pass@k": 0.75})
+    writer.close()
+    (run,) = fake_wandb.runs
+    assert [s for s, _ in run.logged] == [0, 1, 2, 2]
+    assert run.logged[0][1] == {"eval/requested_step": 0, "eval/pass@1": 0.25, "eval/weight_version": 0}
+    assert run.logged[3][1] == {"eval/requested_step": 1, "eval/pass@1": 0.5, "eval/pass@k": 0.75,
+                                "eval/weight_version": 1}
+    assert [row["step"] for row in read_metrics(tmp_path, "eval.jsonl")] == [0, 1]
+    # metrics.jsonl holds them too, at the same steps as W&B: marked, with the version they measured.
+    lines = read_metrics(tmp_path, kind="all")
+    assert [(r.get("kind"), r["step"], r.get("eval/weight_version")) for r in lines] == [
+        ("eval", 0, 0), (None, 1, None), (None, 2, None), ("eval", 2, 1)]
+    assert lines[0]["eval/pass@k"] is None and lines[3]["eval/pass@k"] == 0.75
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
+    assert run.finished
+
+
 def test_wandb_off_by_default_and_tensorboard_stays(tmp_path):
     config = tiny_config(tmp_path)
     assert config.trainer.wandb.mode == "disabled" and config.trainer.tensorboard
@@ -98,6 +128,22 @@ def test_wandb_requested_but_not_installed_is_one_config_line(tmp_path, capsys, 
     assert "trainer.wandb.project='': mode=offline needs a W&B project name" in capsys.readouterr().err
     assert main(["train", TINY, "trainer.wandb.mode=cloud", "--run-dir", str(run_dir)]) == EXIT_USER_ERROR
     assert "trainer.wandb.mode='cloud': allowed values are ['disabled', 'online', 'offline']" in capsys.readouterr().err
+
+
+def test_an_installed_wandb_that_fails_to_import_is_one_config_line(tmp_path, monkeypatch):
+    # A broken install raises what its dependencies raise (protobuf: TypeError), not only ImportError.
+    from grpo_jax.wandb_logger import WandbConfig, WandbLogger
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "wandb.py").write_text('raise TypeError("Descriptors cannot be created directly.\\nDowngrade protobuf")\n')
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    with pytest.raises(ConfigError) as info:
+        WandbLogger(WandbConfig(mode="offline", project="p"), tmp_path / "run", {})
+    assert str(info.value) == ("trainer.wandb.mode=offline: wandb cannot be imported (TypeError: Descriptors cannot be "
+                               "created directly. Downgrade protobuf): reinstall it (pip install 'grpo_jax[wandb]') "
+                               "or set trainer.wandb.mode=disabled")
 
 
 def test_wandb_init_failure_is_one_line_and_releases_the_run_directory(tmp_path, capsys, fake_wandb):

@@ -16,6 +16,7 @@ from grpo_jax.cli import main
 from grpo_jax.config import Config
 from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.hf import load_hf_model, save_hf_model
+from grpo_jax.metrics import read_metrics
 from grpo_jax.model import create_model, param_dict
 from grpo_jax.safetensors_io import SafetensorsFile
 from grpo_jax.tasks import SYNTHETIC_ALPHABET
@@ -36,7 +37,7 @@ WINDOW = 5  # steps averaged for an early or late reward
 
 
 def rewards(run_dir: pathlib.Path) -> list[float]:
-    return [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["reward/mean"] for row in read_metrics(run_dir)]  # the learner-step lines of metrics.jsonl
 
 
 def saved_params(run_dir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
