@@ -58,8 +58,9 @@ from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferC
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.run_lock import RunDirLock
 from grpo_jax.engine import make_generator
-from grpo_jax.sharding import WeightSync, batch_sharding, make_mesh, shard_module, state_shardings
+from grpo_jax.sharding import batch_sharding, make_mesh, shard_module, state_shardings
 from grpo_jax.tokenizer import Tokenizer, load_tokenizer
+from grpo_jax.weight_sync import WeightSync
 
 logger = logging.getLogger("grpo_jax.trainer")
 
@@ -116,7 +117,7 @@ def weights_copy(state, shardings, sync: WeightSync | None = None, may_alias=Fal
     buffers to the next step, so the actor must never hold the same ones (may_alias: weights that are
     never donated, the frozen LoRA base, may share the learner's buffers where both layouts agree).
 
-    By resharding (sharding.WeightSync), never through a whole copy on any device: on several processes
+    By resharding (weight_sync.WeightSync), never through a whole copy on any device: on several processes
     one jitted program on the learner mesh first gives every host a whole copy spread over its own learner
     devices (in the compute dtype when narrower than the weights', which halves the bytes moved), then
     each host assembles every shard of its actor's layout on its actor device from the slices of its

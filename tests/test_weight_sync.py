@@ -1,4 +1,4 @@
-"""Weight sync by resharding (sharding.WeightSync, trainer.weights_copy): the learner's parameters reach the
+"""Weight sync by resharding (weight_sync.WeightSync, trainer.weights_copy): the learner's parameters reach the
 actor's layout exactly (or exactly cast to the compute dtype), and no device, nor the host, holds a whole
 copy on the way. Several hosts are simulated on one process by taking blocks of its devices as hosts."""
 
@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.model import ModelConfig, create_model
 from grpo_jax.sampler import Sampler, SamplerConfig
-from grpo_jax.sharding import (MeshConfig, WeightSync, host_copy_mesh, make_mesh, reshard_local, shard_module,
-                               state_shardings)
+from grpo_jax.sharding import MeshConfig, make_mesh, shard_module, state_shardings
+from grpo_jax.weight_sync import WeightSync, host_copy_mesh, reshard_local
 
 # Dimensions that divide over 4 and 8 devices (so "split over every device" is checkable), plus a qkv bias
 # and a vocab that 8 does not divide (leaves replicated or split on one axis only).

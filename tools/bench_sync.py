@@ -13,7 +13,7 @@ warm-up), the bytes that land on the actor (logical size in the dtype sent) and 
                    with a different tiling JAX assembles the whole array on the host first (largest = whole leaf).
   old gather       what several processes did: a jitted gather of every leaf onto every learner device, then
                    device_put of one device's replica (largest = whole model on every learner device).
-  new              sharding.WeightSync: each actor shard assembled on its device from slices of the learner's.
+  new              weight_sync.WeightSync: each actor shard assembled on its device from slices of the learner's.
   new, 2 hosts     the same with the 4 learner devices taken as 2 hosts (step 1, the jitted reshard to one
                    whole copy per host spread over its 2 devices, is then a real program).
   ... bf16         model.dtype bfloat16 over float32 master weights: cast in the jitted step (bytes halved).
@@ -37,7 +37,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
-from grpo_jax.sharding import MeshConfig, WeightSync, make_mesh, shard_module, state_shardings  # noqa: E402
+from grpo_jax.sharding import MeshConfig, make_mesh, shard_module, state_shardings  # noqa: E402
+from grpo_jax.weight_sync import WeightSync  # noqa: E402
 
 TINY = ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
                    tie_embeddings=True, max_position_embeddings=64)
