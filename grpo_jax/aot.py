@@ -12,10 +12,14 @@ and reports per-device memory, cost and a roofline estimate of time:
 - the actor: with sampler.engine=continuous (the default), the engine's own jitted programs (decode chunk per
   bank size, admission, bank resizes) at the shapes Engine.warm_up compiles; with sampler.engine=static, the
   sampler's generate program (prefill + phased decode loop), for the rows one handout gives a host;
-- the weight sync. Learner and actor devices are disjoint, and jit runs one program on one device set,
-  so the copy between them is a transfer, not a program: its bytes are counted and its time estimated
-  from the chip's ICI bandwidth. On several hosts the trainer first gathers the full weights onto every
-  learner device (trainer.weights_copy): that gather is a compiled program and is compiled here.
+- the weight sync (weight_sync.WeightSync). On several hosts its first step is a jitted program on the
+  learner mesh, compiled here (`weight sync stage`): it reshards the parameters so that every host holds a
+  whole copy spread over its own learner devices, cast to model.dtype when that is narrower than
+  model.param_dtype. Then each host assembles its actor's shards from that copy (one host: from the
+  learner's shards, casting on the way): device-to-device copies between disjoint device sets, a transfer,
+  not a program: its bytes are counted and its time estimated from the chip's ICI bandwidth. The actor keeps
+  its weights (with LoRA the frozen base and the adapters) in that narrowed dtype, as the trainer does, and
+  the actor's programs and memory figures here are sized so.
 
 Times are rooflines: for each program max(FLOPs / peak, bytes / HBM bandwidth) per device, from XLA's
 cost analysis. XLA counts a loop body once whatever its trip count, so each loop body (a micro-batch's
@@ -59,6 +63,7 @@ from grpo_jax.lora import LoraConfig, init_adapters
 from grpo_jax.model import DTYPES, ModelConfig, Transformer, positions_from_mask
 from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits
 from grpo_jax.sharding import DEFAULT_RULES, batch_sharding, make_mesh, spec_for, state_shardings
+from grpo_jax.weight_sync import WeightSync, narrowed
 
 GIB = 1024 ** 3
 
@@ -346,6 +351,31 @@ def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh: jax.sha
     return graphdef, state
 
 
+def actor_state(state, model_config: ModelConfig):
+    """The actor's copy of an abstract `state` (abstract_params / abstract_adapters on the actor mesh): float
+    leaves in model.dtype where it is narrower than their own (weight_sync.narrowed), as the trainer's weight
+    sync delivers and the actor keeps them."""
+    compute = DTYPES[model_config.dtype]
+
+    def narrow(v):
+        x = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(x.shape, narrowed(x.dtype, compute), sharding=x.sharding))
+
+    return jax.tree.map(narrow, state, is_leaf=_is_variable)
+
+
+def actor_params(model_config: ModelConfig, mesh: jax.sharding.Mesh):
+    """(graphdef, state) of the actor's weights: abstract_params in the dtype the actor keeps (actor_state)."""
+    graphdef, state = abstract_params(model_config, mesh)
+    return graphdef, actor_state(state, model_config)
+
+
+def actor_adapters(model_config: ModelConfig, lora: LoraConfig, mesh: jax.sharding.Mesh):
+    """(graphdef, state) of the actor's LoRA adapters, in the dtype the actor keeps (actor_state)."""
+    graphdef, state = abstract_adapters(model_config, lora, mesh)
+    return graphdef, actor_state(state, model_config)
+
+
 def abstract_opt_state(optimizer: optax.GradientTransformation, params, replicated: NamedSharding):
     """The optimizer state's shapes with the trainer's shardings: a moment (zeros_like of a parameter) has
     its parameter's sharding; anything else (step counts) is replicated on the learner mesh (Trainer._committed)."""
@@ -590,10 +620,10 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     every row running to the limit."""
     cfg, mesh = config.sampler, layout.actor_mesh
     replicated = NamedSharding(mesh, PartitionSpec())
-    graphdef, state = abstract_params(model_config, mesh)
+    graphdef, state = actor_params(model_config, mesh)
     adapter_graphdef, adapters = None, None
     if config.lora.enabled:  # the actor's own base, plus the adapters each sync brings
-        adapter_graphdef, adapters = abstract_adapters(model_config, config.lora, mesh)
+        adapter_graphdef, adapters = actor_adapters(model_config, config.lora, mesh)
     sampler, head = _abstract_sampler(graphdef, state, cfg, adapter_graphdef, adapters)
     head = jax.ShapeDtypeStruct(head.shape, head.dtype,
                                 sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
@@ -732,14 +762,15 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> NamedSharding:
 def sampler_hints(config: Config, model_config: ModelConfig, layout: Layout, weights: int,
                   topology: Topology) -> tuple[str, ...]:
     """Settings that shrink the generate program, the ones that can help first: the weights (per device, in
-    model.param_dtype, held twice while new ones arrive) before the KV cache and activations."""
+    the dtype the actor keeps them in, held twice while new ones arrive) before the KV cache and activations."""
     cfg, mesh = config.sampler, layout.actor_mesh
     per_host = len(layout.actor_mesh.devices.flat) if layout.shared else None
     spread = (f"a larger mesh.actor.tensor (now {mesh.shape['tensor']}) over more actor devices "
               f"(mesh.actor_devices={config.mesh.actor_devices})")
     if 2 * weights > topology.hbm_bytes:
-        why = (f"the actor's weights (model.param_dtype={model_config.param_dtype}) take {_size(weights)}iB per device, "
-               "twice while new ones arrive")
+        kept = narrowed(DTYPES[model_config.param_dtype], DTYPES[model_config.dtype])
+        why = (f"the actor's weights (in {kept}: model.param_dtype={model_config.param_dtype}, "
+               f"model.dtype={model_config.dtype}) take {_size(weights)}iB per device, twice while new ones arrive")
         if per_host is not None:  # already every device of the host: no actor layout holds them
             return (f"no actor layout: every host's actor holds a whole copy of the weights on its {per_host} devices; "
                     f"{why}",)
@@ -787,10 +818,10 @@ def engine_setup(config: Config, model_config: ModelConfig, layout: Layout) -> E
     grouped layout of kv_cache_sharding is no NamedSharding of the actor mesh, so a program cannot return it);
     every other field replicated."""
     cfg, mesh = config.sampler, layout.actor_mesh
-    graphdef, state = abstract_params(model_config, mesh)
+    graphdef, state = actor_params(model_config, mesh)
     adapter_graphdef, adapters = None, None
     if config.lora.enabled:
-        adapter_graphdef, adapters = abstract_adapters(model_config, config.lora, mesh)
+        adapter_graphdef, adapters = actor_adapters(model_config, config.lora, mesh)
     group = config.grpo.group_size
     slots = cfg.slots or config.grpo.prompts_per_step // layout.processes * group
     made = []
@@ -985,27 +1016,39 @@ def engine_hints(config: Config, model_config: ModelConfig, layout: Layout, engi
 def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, learner_state: dict,
                actor_weights: int, lora: LoraConfig = LoraConfig(),
                actor_what: str = "the actor's copy of the weights") -> tuple[list[Program], list[Transfer]]:
-    """The learner's new weights onto the actor's layout after every step (trainer.weights_copy); with LoRA
-    the adapters only (the actor holds its own copy of the frozen base from the start).
+    """The learner's new weights onto the actor's layout after every step (trainer.weights_copy with the
+    trainer's weight_sync.WeightSync); with LoRA the adapters only (the actor holds its own copy of the frozen
+    base, sent once at the start).
 
-    One host: one jax.device_put from the learner's shards onto the actor's (disjoint) devices, a
-    transfer. Several hosts: the gather onto every learner device (a compiled program, with one full copy
-    of the weights per learner device), then each host's copy from one local replica onto its actor devices."""
+    One host: each actor shard put together from the learner's shards (device-to-device copies, cast to the
+    compute dtype on the way), a transfer. Several hosts: first `weight sync stage`, the jitted program on the
+    learner mesh (WeightSync.stage_program) that reshards the parameters so that every host holds a whole copy
+    spread over its own learner devices, in the dtype the actor keeps; then each host's copy from those shards
+    onto its actor devices, a transfer."""
+    compute = DTYPES[model_config.dtype]
     if lora.enabled:
         _, params = abstract_adapters(model_config, lora, layout.learner_mesh)
-        _, actor_state = abstract_adapters(model_config, lora, layout.actor_mesh)
+        _, actor = actor_adapters(model_config, lora, layout.actor_mesh)
     else:
         _, params = abstract_params(model_config, layout.learner_mesh)
-        _, actor_state = abstract_params(model_config, layout.actor_mesh)
-    actor_in = shard_bytes(actor_state)
+        _, actor = actor_params(model_config, layout.actor_mesh)
+    actor_in = shard_bytes(actor)
     n_actor, n_learner = layout.actor_mesh.size, layout.learner_mesh.size
+    local_learner = n_learner // layout.processes  # each host's learner devices
+    # Every actor device receives its shard; a host's learner devices send them between them.
+    seconds = max(actor_in, actor_in * n_actor / local_learner) / topology.ici_bandwidth
     if layout.processes == 1:
-        seconds = max(actor_in, actor_in * n_actor / n_learner) / topology.ici_bandwidth
         return [], [Transfer("weight sync copy", actor_in, seconds,
-                             "device_put from the learner's shards onto the actor's devices, at the ICI figure")]
-    replicated = NamedSharding(layout.learner_mesh, PartitionSpec())
-    compiled = compile_one(jax.jit(lambda tree: tree, out_shardings=replicated), (params,), topology,
-                           label="weight sync gather")
+                             f"each actor shard put together from the learner's shards (in {_dtypes(actor)}), "
+                             "device-to-device at the ICI figure")]
+    leaves = jax.tree.leaves(params)
+    program = WeightSync(compute).stage_program(leaves)
+    copy = Transfer("weight sync copy", actor_in, seconds,
+                    f"on each host, each actor shard put together from the host's staged shards (in "
+                    f"{_dtypes(actor)}), device-to-device at the ICI figure")
+    if program is None:  # already a whole copy per host, in the actor's dtype: nothing to stage
+        return [], [copy]
+    compiled = compile_one(program, (leaves,), topology, label="weight sync stage")
     held = learner_state["opt_state"] + learner_state["reference"] + learner_state["frozen"]
     held_what = "optimizer state" + (" and reference" if learner_state["reference"] else "") + \
         (" and the frozen base" if learner_state["frozen"] else "")
@@ -1014,17 +1057,27 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
         held_what += ", " + actor_what
     cost = None
     if compiled.cost is not None:
-        gathered = full_bytes(params) - shard_bytes(params)  # into each learner device, over ICI
+        # Each learner device receives (about) its whole output shard over ICI, most of it from other hosts.
         cost = Cost(compiled.cost.flops, compiled.cost.bytes,
-                    max(compiled.cost.seconds, gathered / topology.ici_bandwidth))
-    hints = (f"no setting but model.param_dtype (now {model_config.param_dtype}): the trainer gathers one full copy "
-             f"of the parameters ({_size(full_bytes(params))}iB) onto every learner device",)
-    gather = Program("weight sync gather", n_learner, compiled.memory, held, held_what, cost, 1, compiled.seconds,
-                     compiled.refusal, hints)
-    # From one local replica: that device sends every actor device its shard.
-    copy = Transfer("weight sync copy", actor_in, actor_in * n_actor / topology.ici_bandwidth,
-                    "device_put on each host from one local replica onto its actor devices, at the ICI figure")
-    return [gather], [copy]
+                    max(compiled.cost.seconds, compiled.memory.outputs / topology.ici_bandwidth))
+    staged = sum(math.prod(x.shape) * narrowed(x.dtype, compute).itemsize for x in leaves)
+    fewer = "" if layout.shared else f" (mesh.actor_devices={layout.actor_mesh.size} lower)"
+    hints = [f"more learner devices per host (now {local_learner}{fewer}): each host's whole copy of the "
+             f"{'adapters' if lora.enabled else 'parameters'} ({_size(staged)}iB, in {_dtypes(actor)}) is spread "
+             "over its own learner devices"]
+    if narrowed(DTYPES[model_config.param_dtype], compute) == np.dtype(DTYPES[model_config.param_dtype]):
+        hints.append(f"a model.dtype narrower than model.param_dtype (now {model_config.dtype} and "
+                     f"{model_config.param_dtype}): the staged copy is then in the compute dtype")
+    hints = tuple(hints)
+    stage = Program("weight sync stage", n_learner, compiled.memory, held, held_what, cost, 1, compiled.seconds,
+                    compiled.refusal, hints)
+    return [stage], [copy]
+
+
+def _dtypes(tree) -> str:
+    """The float dtypes of an abstract tree's leaves, e.g. 'bfloat16'."""
+    names = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)})
+    return "/".join(names) or "its own dtypes"
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -1062,8 +1115,8 @@ def project_step(config: Config, model: ModelConfig, param_count: int, layout: L
     if any(p.cost is None for p in programs):
         return None
     learner = next(p for p in programs if p.name == "learner step")
-    gathers = sum(p.cost.seconds for p in programs if p.name == "weight sync gather")
-    learner_seconds = learner.cost.seconds + gathers + sum(t.seconds for t in transfers)
+    stages = sum(p.cost.seconds for p in programs if p.name == "weight sync stage")
+    learner_seconds = learner.cost.seconds + stages + sum(t.seconds for t in transfers)
     actor_seconds = sum(p.cost.seconds * p.calls_per_step for p in programs if p.actor)
     overlapped = not layout.shared and config.grpo.max_staleness > 0
     seconds = max(learner_seconds, actor_seconds) if overlapped else learner_seconds + actor_seconds
@@ -1158,12 +1211,12 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
     topology = tpu_topology(topology_name, chips_per_host)
     model = run_model_config(config)
     layout = run_layout(config, topology.devices)
-    _, actor_state = abstract_params(model, layout.actor_mesh)
-    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(actor_state))
+    _, actor_weights = actor_params(model, layout.actor_mesh)
+    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(actor_weights))
     # What the other side keeps on shared devices (mesh.actor_devices=0): the actor's weights and head, and the
     # continuous engine's slot state.
     head_bytes = model.vocab_size * model.hidden_size * np.dtype(DTYPES[model.dtype]).itemsize
-    actor_bytes = shard_bytes(actor_state) + head_bytes // layout.actor_mesh.shape["tensor"]
+    actor_bytes = shard_bytes(actor_weights) + head_bytes // layout.actor_mesh.shape["tensor"]
     actor_what = "the actor's copy of the weights"
     setup = None
     if config.sampler.engine == "continuous":
@@ -1180,10 +1233,10 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
             actor = engine_programs(config, model, layout, topology, setup, sum(learner_state.values()))
         else:
             actor = [sampler_program(config, model, layout, topology, sum(learner_state.values()))]
-        gather, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora, actor_what)
+        stage, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora, actor_what)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
-    programs = [learner, *actor, *gather]
+    programs = [learner, *actor, *stage]
     step = project_step(config, model, param_count, layout, topology, programs, transfers)
     return Report(config_path, topology, model, param_count, describe_layout(layout), tuple(programs),
                   tuple(transfers), step)

@@ -12,8 +12,8 @@ import jax
 import pytest
 from flax import nnx
 
-from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, compile_run, format_report, model_flops_per_step,
-                          run_layout)
+from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, compile_run, engine_setup, format_report,
+                          model_flops_per_step, run_layout, shard_bytes, tpu_topology)
 from grpo_jax.cli import main
 from grpo_jax.config import Config
 from grpo_jax.config_io import load_config
@@ -48,11 +48,12 @@ def one_host():
 
 
 TWO_HOSTS = ["mesh.learner.fsdp=4"]  # two learner devices on each host
+BF16 = ["model.dtype=bfloat16"]  # compute in bfloat16 over float32 master weights: the actor keeps bfloat16
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    return compile_run(tiny(*TWO_HOSTS), "v5p:2x2x2", isolate=False)
+    return compile_run(tiny(*TWO_HOSTS, *BF16), "v5p:2x2x2", isolate=False)
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +119,44 @@ def test_costs_count_every_loop_iteration(one_host):
     assert model_flops_per_step(config, config.model, count) == pytest.approx(one_host.step.model_flops)
 
 
-def test_two_hosts_gather_the_weights_for_the_actor(two_hosts):
+def test_two_hosts_stage_a_narrow_copy_per_host_for_the_actor(two_hosts):
+    """On several hosts the sync's first step (WeightSync.stage_program) is compiled: every host gets a whole copy
+    of the weights in the compute dtype (bfloat16 here) spread over its own 2 learner devices, not a full copy
+    per learner device; the actor keeps bfloat16 weights, half the float32 figure."""
     assert two_hosts.topology.processes == 2 and len(two_hosts.topology.devices) == 8
-    assert [p.name for p in two_hosts.programs] == ["learner step", "sampler generate", "weight sync gather"]
-    weights = param_bytes(tiny(*TWO_HOSTS))
-    gather = two_hosts.program("weight sync gather")
-    assert gather.devices == 4  # two learner devices on each of the two hosts
-    assert gather.memory.outputs >= weights  # one full copy per learner device
-    assert gather.held >= 2 * weights / 4  # the moments stay where they are
+    assert [p.name for p in two_hosts.programs] == ["learner step", "sampler generate", "weight sync stage"]
+    weights = param_bytes(tiny(*TWO_HOSTS, *BF16))  # float32 master weights
+    narrow = weights / 2  # the whole model in bfloat16
+    stage = two_hosts.program("weight sync stage")
+    assert stage.devices == 4  # two learner devices on each of the two hosts
+    # Half of the bfloat16 copy on each of a host's 2 learner devices (TPU tiling pads the tiny leaves a little);
+    # a full copy per device would be at least `narrow`, a float32 one twice that.
+    assert narrow / 2 <= stage.memory.outputs < 0.75 * narrow
+    assert stage.held >= 2 * weights / 4  # the moments stay where they are
+    assert stage.cost is not None and stage.hints and "learner devices per host" in stage.hints[0]
     learner = two_hosts.program("learner step")
-    assert learner.memory.arguments >= 3 * weights / 4
+    assert learner.memory.arguments >= 3 * weights / 4  # the learner still holds float32 weights and moments
+    sampler = two_hosts.program("sampler generate")
+    # The actor's bfloat16 weights over its 2 devices: about a quarter of the float32 bytes, not half.
+    assert narrow / 2 <= sampler.memory.arguments < 0.6 * weights / 2
+    assert narrow / 2 <= sampler.held < 0.6 * weights / 2  # the next (bfloat16) weights arrive while it samples
+    (copy,) = two_hosts.transfers
+    # The largest shard: the norms are replicated over the actor's tensor axis.
+    assert copy.name == "weight sync copy" and copy.bytes_per_device == pytest.approx(narrow / 2, rel=0.01)
+    assert "bfloat16" in copy.how
     assert two_hosts.step is not None and two_hosts.step.seconds > 0
+    assert "weight sync stage" in format_report(two_hosts)
+
+
+def test_engine_keeps_the_actor_weights_in_the_compute_dtype():
+    """The continuous engine's abstract weights (its programs' arguments) are in bfloat16 when the model computes in
+    it over float32 master weights, as the trainer's sync delivers them (no compile: shapes only)."""
+    config = tiny_engine(*TWO_HOSTS, *BF16)
+    layout = run_layout(config, tpu_topology("v5p:2x2x2").devices)
+    setup = engine_setup(config, config.model, layout)
+    assert {x.dtype.name for x in jax.tree.leaves(setup.state)} == {"bfloat16"}
+    # bfloat16, split over the 2 actor devices (the largest shard: the norms are replicated over tensor)
+    assert shard_bytes(setup.state) == pytest.approx(param_bytes(config) / 2 / 2, rel=0.01)
 
 
 def test_oversized_config_is_refused_in_one_line(capsys):
@@ -200,7 +228,7 @@ def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
     assert report.topology.processes == 2 and len(report.topology.devices) == 8
     assert run_layout(tiny_engine(*TWO_HOSTS), report.topology.devices).actor_mesh.size == 2
     assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize",
-                                                 "weight sync gather"]
+                                                 "weight sync stage"]
     weights = param_bytes(tiny_engine(*TWO_HOSTS))
     for name in ("engine chunk", "engine admission"):
         program = report.program(name)
