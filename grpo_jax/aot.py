@@ -62,7 +62,7 @@ from grpo_jax.learner import TrainBatch, make_optimizer, make_train_step, token_
 from grpo_jax.lora import LoraConfig, init_adapters
 from grpo_jax.model import DTYPES, ModelConfig, Transformer, positions_from_mask
 from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits
-from grpo_jax.sharding import DEFAULT_RULES, batch_sharding, make_mesh, spec_for, state_shardings
+from grpo_jax.sharding import DEFAULT_RULES, batch_sharding, batch_split_problem, make_mesh, spec_for, state_shardings
 from grpo_jax.weight_sync import WeightSync, narrowed
 
 GIB = 1024 ** 3
@@ -308,13 +308,10 @@ def run_layout(config: Config, devices: tuple) -> Layout:
     except ValueError as e:
         raise ConfigError(f"mesh: {e} (actor: {len(actor)} device(s) per host, learner: {len(learner)})") from e
     # As Trainer.__init__: each host feeds its own rows of the batch, split over data x fsdp in host order.
-    splits = learner_mesh.shape["data"] * learner_mesh.shape["fsdp"]
-    rows = config.grpo.prompts_per_step // processes * config.grpo.group_size
-    if splits % processes or rows % (splits // processes):
-        where = (f" over {processes} hosts; each host's {rows} rows (prompts_per_step / hosts x group_size)"
-                 if processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
-        raise ConfigError(f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split evenly "
-                          "over those devices")
+    problem = batch_split_problem(learner_mesh, processes, config.grpo.prompts_per_step // processes
+                                  * config.grpo.group_size, process="host")
+    if problem:
+        raise ConfigError(problem)
     return Layout(actor_mesh, learner_mesh, n == 0, processes)
 
 
@@ -525,7 +522,7 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
     seconds = whole.seconds
     forward = Cost(0.0, 0.0, 0.0)
     if forward_passes:
-        micro_batch = abstract_batch(forward_rows, prompt_bucket, completion, _rows_sharding(forward_rows, mesh, layout))
+        micro_batch = abstract_batch(forward_rows, prompt_bucket, completion, _rows_sharding(forward_rows, mesh))
 
         def forward_logprobs(p, f, b):
             model, adapters = (nnx.merge(graphdef, p), None) if f is None else \
@@ -574,7 +571,7 @@ def abstract_batch(rows: int, prompt_len: int, completion_len: int, sharding: Na
                       behaviour_logprobs=sds((rows, length - 1), jnp.float32), completion_len=completion_len)
 
 
-def _rows_sharding(rows: int, mesh, layout: Layout) -> NamedSharding:
+def _rows_sharding(rows: int, mesh) -> NamedSharding:
     splits = mesh.shape["data"] * mesh.shape["fsdp"]
     if rows % splits == 0:
         return batch_sharding(mesh)

@@ -121,3 +121,16 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch dimension split over data and fsdp (the usual FSDP data layout)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def batch_split_problem(mesh: Mesh, processes: int, rows: int, process: str = "process") -> str | None:
+    """Why a batch cannot be laid out over `mesh` with batch_sharding, or None when it can. Each of the
+    `processes` feeds its own `rows` (prompts_per_step / processes x group_size), split over data x fsdp in
+    process order. `process` is the word for one in the message ("process", or "host" for grpo-jax compile)."""
+    splits = mesh.shape["data"] * mesh.shape["fsdp"]
+    if splits % processes == 0 and rows % (splits // processes) == 0:
+        return None
+    plural = process + ("es" if process.endswith("s") else "s")
+    where = (f" over {processes} {plural}; each {process}'s {rows} rows (prompts_per_step / {plural} x "
+             f"group_size)" if processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
+    return f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split evenly over those devices"

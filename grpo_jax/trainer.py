@@ -58,7 +58,7 @@ from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferC
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.run_lock import RunDirLock
 from grpo_jax.engine import make_generator
-from grpo_jax.sharding import batch_sharding, make_mesh, shard_module, state_shardings
+from grpo_jax.sharding import batch_sharding, batch_split_problem, make_mesh, shard_module, state_shardings
 from grpo_jax.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.weight_sync import WeightSync
 
@@ -112,7 +112,7 @@ def split_devices(config: Config) -> tuple[list, list]:
     return local[:n], [d for host in by_process(jax.devices()) for d in host[n:]]
 
 
-def weights_copy(state, shardings, sync: WeightSync | None = None, may_alias=False):
+def weights_copy(state, shardings, sync: WeightSync, may_alias=False):
     """The learner's weights placed on the actor's layout, as a separate copy: the learner donates its
     buffers to the next step, so the actor must never hold the same ones (may_alias: weights that are
     never donated, the frozen LoRA base, may share the learner's buffers where both layouts agree).
@@ -122,7 +122,7 @@ def weights_copy(state, shardings, sync: WeightSync | None = None, may_alias=Fal
     devices (in the compute dtype when narrower than the weights', which halves the bytes moved), then
     each host assembles every shard of its actor's layout on its actor device from the slices of its
     learner shards that overlap it."""
-    return (sync or WeightSync())(state, shardings, may_alias=may_alias)
+    return sync(state, shardings, may_alias=may_alias)
 
 
 def replica_digest(state) -> int:
@@ -242,14 +242,9 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(f"mesh: {e} (actor: {len(actor_devices)} device(s)"
                               f"{' on this host' if self.processes > 1 else ''}, learner: {len(learner_devices)})") from e
-        # Each process feeds its own rows of the batch, which is split over data x fsdp in process order.
-        splits = self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"]
-        rows = self.local_prompts * config.grpo.group_size
-        if splits % self.processes or rows % (splits // self.processes):
-            where = (f" over {self.processes} processes; each process's {rows} rows (prompts_per_step / processes "
-                     f"x group_size)" if self.processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
-            raise ConfigError(f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split "
-                              "evenly over those devices")
+        problem = batch_split_problem(self.learner_mesh, self.processes, self.local_prompts * config.grpo.group_size)
+        if problem:
+            raise ConfigError(problem)
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         reference, adapters = None, None
