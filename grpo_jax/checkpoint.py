@@ -246,26 +246,45 @@ class _DiskFullReports(logging.Filter):
 _DISK_FULL_REPORTS = _DiskFullReports()
 
 
-class _DropAbandonedWrites:
-    """sys.unraisablehook: once the disk has filled, the writes Orbax abandoned finish into a closed event
-    loop and their coroutines are collected unfinished, each with a traceback; those are dropped. (It keeps
-    what it needs on itself: some arrive while the interpreter shuts down.)"""
+def _into_a_closed_loop(unraisable) -> bool:
+    """Whether this is the completion of an I/O that Orbax abandoned: when one read or write of a step fails,
+    Orbax closes its event loop while tensorstore still has the others in flight, and each one that finishes
+    later hands its result to the closed loop from tensorstore's thread (RuntimeError raised in
+    call_soon_threadsafe). Nobody awaits that result any more: the failure that abandoned it was already
+    raised, and the trainer reports it."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _DropAbandonedIo:
+    """sys.unraisablehook: drops the reports of I/O that Orbax abandoned after a failed read or write, each
+    a traceback printed from another thread (sometimes only at garbage collection, sometimes after the
+    failure itself was reported, so no flag set on failure could tell them apart in time):
+    - completions handed to a closed event loop (see _into_a_closed_loop), after any failure;
+    - once the disk has filled, the coroutines of Orbax's writes collected unfinished.
+    Everything else goes to the hook that was there before. (It keeps what it needs on itself: some arrive
+    while the interpreter shuts down.)"""
 
     def __init__(self, previous, reports: _DiskFullReports):
         self.previous, self.reports = previous, reports
 
     def __call__(self, unraisable) -> None:
         code = getattr(unraisable.object, "cr_code", None)
-        abandoned = (str(unraisable.exc_value) == "Event loop is closed"
-                     or "orbax" in str(getattr(code, "co_filename", "")))
-        if not (self.reports.seen and abandoned):
+        abandoned_write = self.reports.seen and "orbax" in str(getattr(code, "co_filename", ""))
+        if not (_into_a_closed_loop(unraisable) or abandoned_write):
             self.previous(unraisable)
 
 
-def _silence_disk_full_reports() -> None:
+def _silence_abandoned_io_reports() -> None:
     logging.getLogger("absl").addFilter(_DISK_FULL_REPORTS)  # Orbax logs through absl; adding twice is a no-op
-    if not isinstance(sys.unraisablehook, _DropAbandonedWrites):
-        sys.unraisablehook = _DropAbandonedWrites(sys.unraisablehook, _DISK_FULL_REPORTS)
+    if not isinstance(sys.unraisablehook, _DropAbandonedIo):
+        sys.unraisablehook = _DropAbandonedIo(sys.unraisablehook, _DISK_FULL_REPORTS)
 
 
 def _bytes_on_disk(path: pathlib.Path) -> int:
@@ -305,7 +324,7 @@ class Checkpoints:
         self.run_dir = pathlib.Path(run_dir)
         self.directory = self.run_dir / CHECKPOINT_DIR
         self._refuse_unwritable()
-        _silence_disk_full_reports()
+        _silence_abandoned_io_reports()
         self._manager = self._open()
         self._lock = threading.Lock()
         self._writer: threading.Thread | None = None  # the background save in flight, if any

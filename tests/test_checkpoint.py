@@ -83,6 +83,7 @@ def test_async_preemption_without_the_replay_buffer_loses_nothing(tmp_path, monk
     assert [line["step"] for line in checkpoint_lines] == [2, 3, 4, 6, 7]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # Orbax's abandoned reads stay quiet
 def test_a_corrupt_latest_step_falls_back_to_the_one_before(tmp_path, caplog):
     overrides = ["trainer.max_steps=4", "checkpoint.every_steps=2", "trainer.tensorboard=false"]
     Trainer(tiny_config(tmp_path, *overrides)).train()

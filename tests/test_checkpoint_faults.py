@@ -3,6 +3,7 @@ that cannot be written, content checksums, and restore errors that are not damag
 The multi-process agreement on the step to restore is tested through load_latest with a simulated second
 process; tests/test_multiprocess.py resumes real processes through the same code."""
 
+import asyncio
 import errno
 import gc
 import json
@@ -10,6 +11,7 @@ import logging
 import os
 import pathlib
 import subprocess
+import types
 
 import jax
 import numpy as np
@@ -367,3 +369,24 @@ def test_every_process_restores_the_step_process_0_chose(tmp_path):
                                 agree=lambda values: np.array([next(as_process_1), list(values)], np.int32))
     assert checkpoints.steps() == [1, 2, 3]
     checkpoints.close()
+
+
+def test_only_completions_handed_to_a_closed_event_loop_are_dropped_as_abandoned_io():
+    from grpo_jax.checkpoint import _DiskFullReports, _DropAbandonedIo
+
+    def raised(action):
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001 - the report is what is under test
+            return types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=e.__traceback__, object=None)
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    into_closed_loop = raised(lambda: loop.call_soon_threadsafe(print))
+    elsewhere = raised(lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")))
+    other = raised(lambda: 1 / 0)
+    reported = []
+    hook = _DropAbandonedIo(reported.append, _DiskFullReports())
+    for unraisable in (into_closed_loop, elsewhere, other):
+        hook(unraisable)
+    assert reported == [elsewhere, other]
