@@ -11,12 +11,14 @@ and reports per-device memory, cost and a roofline estimate of time:
   accumulation, the proximal and reference forward passes, the optimizer update;
 - the actor: with sampler.engine=continuous (the default), the engine's own jitted programs (decode chunk per
   bank size, admission, bank resizes) at the shapes Engine.warm_up compiles; with sampler.engine=static, the
-  sampler's generate program (prefill + phased decode loop), for the rows one handout gives a host;
+  sampler's generate program (prefill + phased decode loop), for the rows one handout gives an actor (one
+  host's prompts; every host's for an actor mesh spanning the hosts, sharding.cut_devices);
 - the weight sync (weight_sync.WeightSync). On several hosts its first step is a jitted program on the
-  learner mesh, compiled here (`weight sync stage`): it reshards the parameters so that every host holds a
-  whole copy spread over its own learner devices, cast to model.dtype when that is narrower than
-  model.param_dtype. Then each host assembles its actor's shards from that copy (one host: from the
-  learner's shards, casting on the way): device-to-device copies between disjoint device sets, a transfer,
+  learner mesh per group of leaves, compiled here (`weight sync stage`): it reshards the parameters so that
+  every host holds, spread over its own learner devices, what its actor devices need (a whole copy for an
+  actor per host; its own block of every leaf for an actor spanning the hosts), cast to model.dtype when that
+  is narrower than model.param_dtype. Then each host assembles its actor's shards from those (one host: from
+  the learner's shards, casting on the way): device-to-device copies between disjoint device sets, a transfer,
   not a program: its bytes are counted and its time estimated from the chip's ICI bandwidth. The actor keeps
   its weights (with LoRA the frozen base and the adapters) in that narrowed dtype, as the trainer does, and
   the actor's programs and memory figures here are sized so.
@@ -61,8 +63,9 @@ from grpo_jax.errors import ConfigError, UserError
 from grpo_jax.learner import TrainBatch, make_optimizer, make_train_step, token_logprobs
 from grpo_jax.lora import LoraConfig, init_adapters
 from grpo_jax.model import DTYPES, ModelConfig, Transformer, positions_from_mask
-from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits
-from grpo_jax.sharding import DEFAULT_RULES, batch_sharding, batch_split_problem, make_mesh, spec_for, state_shardings
+from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits, vocab_major_head
+from grpo_jax.sharding import (DEFAULT_RULES, batch_sharding, batch_split_problem, cut_devices, make_mesh, spec_for,
+                               state_shardings)
 from grpo_jax.weight_sync import WeightSync, narrowed
 
 GIB = 1024 ** 3
@@ -223,7 +226,7 @@ class Cost:
 @dataclasses.dataclass(frozen=True)
 class Program:
     name: str
-    devices: int  # devices it runs on (the sampler: one host's actor devices; every host runs the same)
+    devices: int  # devices it runs on (the sampler: its actor mesh, one host's or one across hosts)
     memory: Memory | None  # None when the compiler refused it
     held: int  # per-device bytes alive on the same devices outside the program (see held_what)
     held_what: str
@@ -282,37 +285,58 @@ class Report:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    actor_mesh: jax.sharding.Mesh  # one host's actor devices (every host samples alike)
+    # One host's actor devices (every host samples alike, its own prompts); with actor_spans_hosts, the actor
+    # devices of every host, process-major: one actor, sampling every host's prompts together.
+    actor_mesh: jax.sharding.Mesh
     learner_mesh: jax.sharding.Mesh
     shared: bool  # mesh.actor_devices=0: the actor samples on the learner's devices
     processes: int
+    actor_spans_hosts: bool = False
+
+    @property
+    def actors(self) -> int:
+        """How many actors sample a step's prompts between them: one per host, or the one spanning them all."""
+        return 1 if self.actor_spans_hosts else self.processes
+
+    @property
+    def actor_devices_per_host(self) -> int:
+        return self.actor_mesh.size // (self.processes if self.actor_spans_hosts else 1)
+
+
+def actor_rows(config: Config, layout: Layout) -> int:
+    """The rows (samples) one actor generates per step: its hosts' prompts x group_size; every host's when it
+    spans them, else prompts_per_step / hosts."""
+    return config.grpo.prompts_per_step // layout.actors * config.grpo.group_size
 
 
 def run_layout(config: Config, devices: tuple) -> Layout:
-    """The trainer's device cut and meshes (trainer.split_devices and Trainer.__init__), for the devices
-    of a topology rather than those of this process: host 0's devices stand for every host's."""
+    """The trainer's device cut and meshes (trainer.split_devices and Trainer.__init__, with sharding.cut_devices),
+    for the devices of a topology rather than those of this process: host 0's devices stand for every host's
+    (for an actor per host; an actor that spans the hosts is the same mesh on every one)."""
     hosts = by_process(devices)
-    processes, local = len(hosts), list(hosts[0])
-    n = config.mesh.actor_devices
+    processes = len(hosts)
     if config.grpo.prompts_per_step % processes:
         raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
                           f"{processes} hosts (each trains its share of every step)")
-    if n >= len(local):
-        raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(local)} devices per "
-                          "host; use 0 to share all devices between actor and learner)")
-    actor = local if n == 0 else local[:n]
-    learner = list(devices) if n == 0 else [d for host in hosts for d in host[n:]]
+    try:
+        cut = cut_devices(hosts, config.mesh.actor_devices, config.mesh.actor)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cut.actor_spans_hosts and config.actor_across_hosts_problems():
+        raise ConfigError("; ".join(config.actor_across_hosts_problems()))
+    actor, learner = cut.actor, cut.learner
     try:
         learner_mesh = make_mesh(config.mesh.learner, learner)
-        actor_mesh = make_mesh(config.mesh.actor, actor)
+        actor_mesh = make_mesh(config.mesh.actor, actor, tensor_across_hosts=cut.actor_spans_hosts)
     except ValueError as e:
-        raise ConfigError(f"mesh: {e} (actor: {len(actor)} device(s) per host, learner: {len(learner)})") from e
+        where = " across hosts" if cut.actor_spans_hosts else " per host"
+        raise ConfigError(f"mesh: {e} (actor: {len(actor)} device(s){where}, learner: {len(learner)})") from e
     # As Trainer.__init__: each host feeds its own rows of the batch, split over data x fsdp in host order.
     problem = batch_split_problem(learner_mesh, processes, config.grpo.prompts_per_step // processes
                                   * config.grpo.group_size, process="host")
     if problem:
         raise ConfigError(problem)
-    return Layout(actor_mesh, learner_mesh, n == 0, processes)
+    return Layout(actor_mesh, learner_mesh, cut.shared, processes, cut.actor_spans_hosts)
 
 
 def run_model_config(config: Config) -> ModelConfig:
@@ -607,9 +631,9 @@ def learner_hints(config: Config, model_config: ModelConfig, layout: Layout, sta
 
 def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology,
                     learner_held: int) -> Program:
-    """The sampler's generate program for one handout on one host (Sampler.generate's buckets and row
-    split into decode_streams calls), over abstract weights on the actor mesh. Another sampler or engine
-    replaces this function.
+    """The sampler's generate program for one handout of one actor (Sampler.generate's buckets and row split
+    into decode_streams calls): one host's prompts, or every host's for an actor across hosts; over abstract
+    weights on the actor mesh. Another sampler or engine replaces this function.
 
     Cost: the generate program's decode loops stop when every row is done, so their trip counts are not
     known to XLA (which counts each body once). The prefill and a decode step are compiled on their own
@@ -624,7 +648,7 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     sampler, head = _abstract_sampler(graphdef, state, cfg, adapter_graphdef, adapters)
     head = jax.ShapeDtypeStruct(head.shape, head.dtype,
                                 sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
-    rows = config.grpo.prompts_per_step // layout.processes * config.grpo.group_size
+    rows = actor_rows(config, layout)
     calls = min(cfg.decode_streams, rows)
     batch = _bucket(-(-rows // calls), cfg.min_batch_bucket)
     longest = min(config.data.max_prompt_len, cfg.max_prompt_len)
@@ -634,12 +658,19 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else cfg.top_k,
                   use_top_p=(not greedy) and cfg.top_p < 1)
 
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    # An actor across hosts gets its rows split over data x fsdp where they divide (Sampler._global_rows); an
+    # actor per host, from its own process, replicated.
+    rows_sharding = replicated
+    if layout.actor_spans_hosts and batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0:
+        rows_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+    def sds(shape, dtype, sharding=replicated):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-    args = (state, head, sds((batch, plen), jnp.int32), sds((batch, plen), jnp.bool_), sds((batch,), jnp.bool_),
-            sds(keys.shape, keys.dtype), sds((), jnp.int32), sds((), jnp.float32), sds((), jnp.float32))
+    args = (state, head, sds((batch, plen), jnp.int32, rows_sharding), sds((batch, plen), jnp.bool_, rows_sharding),
+            sds((batch,), jnp.bool_, rows_sharding), sds(keys.shape, keys.dtype, rows_sharding), sds((), jnp.int32),
+            sds((), jnp.float32), sds((), jnp.float32))
     whole = compile_one(sampler._generate, args, topology, dict(static, adapters=adapters), label="sampler generate")
 
     weights = shard_bytes(state)
@@ -664,19 +695,21 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
                    whole.seconds + steps.seconds, "", hints, cost_note=steps.note, actor=True)
 
 
+class _AbstractSampler(Sampler):
+    """A Sampler over abstract weights (jax.ShapeDtypeStructs with their shardings, as nnx.eval_shape and
+    actor_params give them): its vocab-major head is a shape too. Built outside any trace, so that the Sampler
+    reads its weights' shardings (e.g. whether its mesh spans hosts) as it does from real ones."""
+
+    def _vocab_major_head(self, state):
+        return jax.eval_shape(functools.partial(vocab_major_head, self.graphdef), state)
+
+
 def _abstract_sampler(graphdef, state, cfg, adapter_graphdef=None, adapters=None) -> tuple[Sampler, jax.ShapeDtypeStruct]:
-    """A Sampler for abstract weights, and the shape of its vocab-major head. The Sampler derives its head
-    from concrete weights when it is built, so it is built under eval_shape; only its jitted program is
-    used afterwards, with abstract arguments. Token ids (eos, pad) do not change the program's shapes."""
-    made = []
-
-    def build(state, adapters):
-        lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
-        made.append(Sampler(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, adapters=lora))
-        return made[0]._head
-
-    head = jax.eval_shape(build, state, adapters)
-    return made[0], head
+    """A Sampler for abstract weights, and the shape of its vocab-major head; only its jitted program is used
+    afterwards, with abstract arguments. Token ids (eos, pad) do not change the program's shapes."""
+    lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+    sampler = _AbstractSampler(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, adapters=lora)
+    return sampler, sampler._head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -820,7 +853,7 @@ def engine_setup(config: Config, model_config: ModelConfig, layout: Layout) -> E
     if config.lora.enabled:
         adapter_graphdef, adapters = actor_adapters(model_config, config.lora, mesh)
     group = config.grpo.group_size
-    slots = cfg.slots or config.grpo.prompts_per_step // layout.processes * group
+    slots = cfg.slots or actor_rows(config, layout)
     made = []
 
     def build(state, adapters):
@@ -900,7 +933,7 @@ def engine_programs(config: Config, model_config: ModelConfig, layout: Layout, t
 
     # When every sample decodes to max_new_tokens, the slots fill and empty in waves.
     group = config.grpo.group_size
-    samples = config.grpo.prompts_per_step // layout.processes * group
+    samples = actor_rows(config, layout)
     chunks_per_wave = max(-(-(cfg.max_new_tokens - 1) // cfg.chunk_steps), 1)
     chunk_calls, admissions, start = 0, {}, 0  # admissions: rows -> calls
     while start < samples:
@@ -1018,10 +1051,12 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
     base, sent once at the start).
 
     One host: each actor shard put together from the learner's shards (device-to-device copies, cast to the
-    compute dtype on the way), a transfer. Several hosts: first `weight sync stage`, the jitted program on the
-    learner mesh (WeightSync.stage_program) that reshards the parameters so that every host holds a whole copy
-    spread over its own learner devices, in the dtype the actor keeps; then each host's copy from those shards
-    onto its actor devices, a transfer."""
+    compute dtype on the way), a transfer. Several hosts: first `weight sync stage`, the jitted programs on the
+    learner mesh (WeightSync.stage_program, one per group of leaves, WeightSync.group_slices, run one after the
+    other) that reshard the parameters so that every host holds, spread over its own learner devices and in the
+    dtype the actor keeps, what its actor devices need: a whole copy for an actor per host, its own block of
+    every leaf for an actor spanning the hosts; the report shows the group that needs the most memory, and the
+    time of all of them. Then each host's copy from those shards onto its actor devices, a transfer."""
     compute = DTYPES[model_config.dtype]
     if lora.enabled:
         _, params = abstract_adapters(model_config, lora, layout.learner_mesh)
@@ -1030,22 +1065,29 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
         _, params = abstract_params(model_config, layout.learner_mesh)
         _, actor = actor_params(model_config, layout.actor_mesh)
     actor_in = shard_bytes(actor)
-    n_actor, n_learner = layout.actor_mesh.size, layout.learner_mesh.size
+    n_learner = layout.learner_mesh.size
     local_learner = n_learner // layout.processes  # each host's learner devices
     # Every actor device receives its shard; a host's learner devices send them between them.
-    seconds = max(actor_in, actor_in * n_actor / local_learner) / topology.ici_bandwidth
+    seconds = max(actor_in, actor_in * layout.actor_devices_per_host / local_learner) / topology.ici_bandwidth
     if layout.processes == 1:
         return [], [Transfer("weight sync copy", actor_in, seconds,
                              f"each actor shard put together from the learner's shards (in {_dtypes(actor)}), "
                              "device-to-device at the ICI figure")]
     leaves = jax.tree.leaves(params)
-    program = WeightSync(compute).stage_program(leaves)
+    targets = [x.sharding for x in jax.tree.leaves(actor)]  # the actor's layout, leaf for leaf
+    sync = WeightSync(compute)
     copy = Transfer("weight sync copy", actor_in, seconds,
                     f"on each host, each actor shard put together from the host's staged shards (in "
                     f"{_dtypes(actor)}), device-to-device at the ICI figure")
-    if program is None:  # already a whole copy per host, in the actor's dtype: nothing to stage
+    groups = [(leaves[g], targets[g]) for g in sync.group_slices(leaves)]
+    programs = [(sync.stage_program(part, part_targets), part) for part, part_targets in groups]
+    programs = [(program, part) for program, part in programs if program is not None]
+    if not programs:  # already staged as the actor needs it, in its dtype: nothing to stage
         return [], [copy]
-    compiled = compile_one(program, (leaves,), topology, label="weight sync stage")
+    compiled = [compile_one(program, (part,), topology, label=f"weight sync stage (group {k + 1} of {len(programs)})")
+                for k, (program, part) in enumerate(programs)]
+    refused = [c for c in compiled if c.memory is None]
+    worst = refused[0] if refused else max(compiled, key=lambda c: c.memory.total)
     held = learner_state["opt_state"] + learner_state["reference"] + learner_state["frozen"]
     held_what = "optimizer state" + (" and reference" if learner_state["reference"] else "") + \
         (" and the frozen base" if learner_state["frozen"] else "")
@@ -1053,21 +1095,29 @@ def sync_parts(model_config: ModelConfig, layout: Layout, topology: Topology, le
         held += actor_weights
         held_what += ", " + actor_what
     cost = None
-    if compiled.cost is not None:
+    if not refused and all(c.cost is not None for c in compiled):
         # Each learner device receives (about) its whole output shard over ICI, most of it from other hosts.
-        cost = Cost(compiled.cost.flops, compiled.cost.bytes,
-                    max(compiled.cost.seconds, compiled.memory.outputs / topology.ici_bandwidth))
+        cost = Cost(sum(c.cost.flops for c in compiled), sum(c.cost.bytes for c in compiled),
+                    sum(max(c.cost.seconds, c.memory.outputs / topology.ici_bandwidth) for c in compiled))
     staged = sum(math.prod(x.shape) * narrowed(x.dtype, compute).itemsize for x in leaves)
-    fewer = "" if layout.shared else f" (mesh.actor_devices={layout.actor_mesh.size} lower)"
-    hints = [f"more learner devices per host (now {local_learner}{fewer}): each host's whole copy of the "
-             f"{'adapters' if lora.enabled else 'parameters'} ({_size(staged)}iB, in {_dtypes(actor)}) is spread "
-             "over its own learner devices"]
+    what = "adapters" if lora.enabled else "parameters"
+    if layout.actor_spans_hosts:
+        hints = [f"more learner devices (now {n_learner}, {local_learner} per host): each host's block of the {what} "
+                 f"(about {_size(staged / layout.processes)}iB of {_size(staged)}iB in {_dtypes(actor)} when the "
+                 "actor splits every leaf over the hosts) is spread over its own learner devices"]
+    else:
+        fewer = "" if layout.shared else f" (mesh.actor_devices={layout.actor_devices_per_host} lower)"
+        hints = [f"more learner devices per host (now {local_learner}{fewer}): each host's whole copy of the "
+                 f"{what} ({_size(staged)}iB, in {_dtypes(actor)}) is spread over its own learner devices"]
     if narrowed(DTYPES[model_config.param_dtype], compute) == np.dtype(DTYPES[model_config.param_dtype]):
         hints.append(f"a model.dtype narrower than model.param_dtype (now {model_config.dtype} and "
                      f"{model_config.param_dtype}): the staged copy is then in the compute dtype")
-    hints = tuple(hints)
-    stage = Program("weight sync stage", n_learner, compiled.memory, held, held_what, cost, 1, compiled.seconds,
-                    compiled.refusal, hints)
+    notes = ()
+    if len(compiled) > 1:
+        notes = (f"{len(compiled)} programs, one per group of leaves, run one after the other: memory of the "
+                 f"largest, time of all",)
+    stage = Program("weight sync stage", n_learner, worst.memory, held, held_what, cost, 1,
+                    sum(c.seconds for c in compiled), worst.refusal, tuple(hints), notes=notes)
     return [stage], [copy]
 
 
@@ -1243,8 +1293,13 @@ def describe_layout(layout: Layout) -> str:
     def axes(mesh) -> str:
         return ", ".join(f"{name} {size}" for name, size in mesh.shape.items())
 
-    actor = "the learner's devices" if layout.shared else f"{layout.actor_mesh.size} device(s)"
-    return (f"actor (every host): {actor}, {{{axes(layout.actor_mesh)}}}; learner: {layout.learner_mesh.size} "
+    if layout.actor_spans_hosts:
+        actor = (f"actor (one across all {layout.processes} hosts, every host's prompts): {layout.actor_mesh.size} "
+                 f"device(s), {layout.actor_devices_per_host} per host")
+    else:
+        actor = "actor (every host): " + ("the learner's devices" if layout.shared else
+                                          f"{layout.actor_mesh.size} device(s)")
+    return (f"{actor}, {{{axes(layout.actor_mesh)}}}; learner: {layout.learner_mesh.size} "
             f"device(s) over {layout.processes} host(s), {{{axes(layout.learner_mesh)}}}")
 
 

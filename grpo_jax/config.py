@@ -153,6 +153,22 @@ class Config:
                             f"prompts_per_step * group_size / mini_batches = {rows // mini}")
         return problems
 
+    def actor_across_hosts_problems(self) -> list[str]:
+        """What this config asks of an actor whose mesh spans hosts (sharding.cut_devices) that such an actor
+        does not do, as 'key=value: fix' strings. Such an actor is one sampler for every host's prompts, its
+        programs run by all hosts together, one batch at a time (grpo-jax compile lays it out and sizes it;
+        the trainer does not run it yet)."""
+        problems = []
+        if self.sampler.engine != "static":
+            problems.append(f"sampler.engine={self.sampler.engine!r}: an actor mesh across hosts samples with the "
+                            "static sampler, one batch of every host's prompts at a time (set sampler.engine=static; "
+                            "the continuous engine runs one engine per host)")
+        if self.eval.every_steps:
+            problems.append(f"eval.every_steps={self.eval.every_steps}: evaluation during training runs on process 0's "
+                            "actor alone, which an actor mesh across hosts cannot do (set eval.every_steps=0 and "
+                            "run grpo-jax eval on RUN_DIR/final_model)")
+        return problems
+
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the user wants (logged at the start of a run)."""
         found = []

@@ -62,22 +62,72 @@ class MeshConfig:
         return tuple(sizes)
 
 
-def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None,
+              tensor_across_hosts: bool = False) -> Mesh:
+    """The (data, fsdp, tensor) mesh of `devices`. Across hosts the order is process-major, so data and fsdp
+    split over hosts and the batch rows a process feeds land on its own devices. The tensor axis stays inside
+    one host unless tensor_across_hosts (an actor mesh spanning hosts, whose model may not fit on one): its
+    collectives are the chattiest, so the learner keeps them on a host's own links."""
     devices = list(devices if devices is not None else jax.devices())
     shape = config.resolve(len(devices))
     processes = {d.process_index for d in devices}
     # Auto axes: the sharding of activations is left to the compiler's propagation.
     if len(processes) == 1:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
-    # Across hosts: process-major order, so data and fsdp split over hosts and the batch rows a process
-    # feeds land on its own devices; the tensor axis must stay inside one host (its collectives are the
-    # chattiest, and cross-host tensor parallelism is not a layout this trainer supports).
     per_process = len(devices) // len(processes)
-    if shape[2] > per_process or per_process % shape[2]:
+    tensor = shape[2]
+    whole_hosts = tensor_across_hosts and tensor % per_process == 0
+    if not whole_hosts and (tensor > per_process or per_process % tensor):
+        where = ("divide one process's devices or be a multiple of them" if tensor_across_hosts
+                 else "divide one process's devices")
         raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} over {len(processes)} processes with {per_process} "
-                         f"device(s) each: the tensor axis ({shape[2]}) must divide one process's devices")
+                         f"device(s) each: the tensor axis ({tensor}) must {where}")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(ordered).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCut:
+    """How a run's devices split between actor and learner (trainer.split_devices, grpo-jax compile)."""
+
+    actor: list  # the devices of this host's actor mesh; with actor_spans_hosts, every host's actor devices
+    learner: list  # the learner mesh's devices: every host's own learner devices, process-major
+    actor_spans_hosts: bool  # one actor mesh over all hosts (else one actor per host, each on its own devices)
+    shared: bool  # mesh.actor_devices=0: actor and learner on the same devices
+
+
+def cut_devices(hosts: np.ndarray, actor_devices: int, actor: MeshConfig, this_host: int = 0) -> DeviceCut:
+    """Split `hosts` ([processes, devices per process], distributed.by_process) for mesh.actor_devices and
+    mesh.actor. The learner gets every host's devices after the first actor_devices (all of them when 0).
+    The actor's mesh is this host's first actor_devices (all when 0) when mesh.actor fits that many devices:
+    one sampler per host, no traffic between hosts. When it does not, but fits the actor devices of all hosts
+    together, it is one mesh across hosts, for a model whose sampler does not fit on one host. ValueError,
+    naming the fix, for a cut that cannot work."""
+    processes, per_host = hosts.shape
+    n = actor_devices
+    host_word = " per host" if processes > 1 else ""
+    if n >= per_host:
+        raise ValueError(f"mesh.actor_devices={n}: leaves no device for the learner ({per_host} devices{host_word}; "
+                         "use 0 to share all devices between actor and learner)")
+    local = list(hosts[this_host]) if n == 0 else list(hosts[this_host][:n])
+    learner = [d for host in hosts for d in (host if n == 0 else host[n:])]
+    try:
+        actor.resolve(len(local))
+        return DeviceCut(local, learner, False, n == 0)
+    except ValueError as on_one_host:
+        if processes == 1:
+            raise
+        try:
+            actor.resolve(len(local) * processes)
+        except ValueError:
+            raise ValueError(f"mesh.actor {dataclasses.asdict(actor)} fits neither one host's {len(local)} actor "
+                             f"device(s) nor the {len(local) * processes} of all {processes} hosts together "
+                             f"({on_one_host})") from None
+    if n == 0:
+        raise ValueError(f"mesh.actor {dataclasses.asdict(actor)} spans hosts ({len(local) * processes} devices): an "
+                         "actor mesh across hosts needs devices of its own, so set mesh.actor_devices > 0 (on shared "
+                         "devices its collectives and the learner's would queue in a different order on each host)")
+    return DeviceCut([d for host in hosts for d in host[:n]], learner, True, False)
 
 
 def spec_for(axes: tuple, shape: tuple, mesh: Mesh, rules: dict[str, str | None]) -> PartitionSpec:

@@ -58,7 +58,8 @@ from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferC
 from grpo_jax.rewards import RewardSuite
 from grpo_jax.run_lock import RunDirLock
 from grpo_jax.engine import make_generator
-from grpo_jax.sharding import batch_sharding, batch_split_problem, make_mesh, shard_module, state_shardings
+from grpo_jax.sharding import (DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, shard_module,
+                               state_shardings)
 from grpo_jax.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.weight_sync import WeightSync
 
@@ -95,21 +96,26 @@ def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
     return create_model(config.model, seed=config.seed)
 
 
-def split_devices(config: Config) -> tuple[list, list]:
-    """(actor devices, learner devices): disjoint slices, or the same devices when actor_devices is 0.
+def split_devices(config: Config) -> DeviceCut:
+    """The actor's and the learner's devices (sharding.cut_devices): disjoint slices, or the same devices
+    when mesh.actor_devices is 0.
 
     Several processes (hosts): every host is cut the same way. The actor gets the first actor_devices of
-    each host's own devices and samples there on its own (one sampler per host, no cross-host traffic);
-    the learner gets the rest of every host's devices, as one mesh spanning all hosts."""
-    local = jax.local_devices()
-    n = config.mesh.actor_devices
-    if n >= len(local):
-        raise ConfigError(f"mesh.actor_devices={n}: leaves no device for the learner ({len(local)} devices"
-                          f"{' per process' if jax.process_count() > 1 else ''}; use 0 to share all devices "
-                          "between actor and learner)")
-    if n == 0:
-        return local, jax.devices()
-    return local[:n], [d for host in by_process(jax.devices()) for d in host[n:]]
+    each host's own devices and samples there on its own (one sampler per host, no cross-host traffic); the
+    learner gets the rest of every host's devices, as one mesh spanning all hosts. An actor mesh across
+    hosts is laid out and sized by `grpo-jax compile` but not run by the trainer yet: refused here."""
+    try:
+        cut = cut_devices(by_process(jax.devices()), config.mesh.actor_devices, config.mesh.actor,
+                          this_host=jax.process_index())
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cut.actor_spans_hosts:
+        raise ConfigError(
+            f"mesh.actor {config.mesh.actor}: needs {len(cut.actor)} devices, more than one host's "
+            f"{len(cut.actor) // jax.process_count()} actor device(s), so it would span hosts; grpo-jax compile "
+            "lays such an actor out, but the trainer does not run one yet. Use a mesh.actor that fits one host's "
+            "mesh.actor_devices (every host then samples with its own copy)")
+    return cut
 
 
 def weights_copy(state, shardings, sync: WeightSync, may_alias=False):
@@ -118,10 +124,10 @@ def weights_copy(state, shardings, sync: WeightSync, may_alias=False):
     never donated, the frozen LoRA base, may share the learner's buffers where both layouts agree).
 
     By resharding (weight_sync.WeightSync), never through a whole copy on any device: on several processes
-    one jitted program on the learner mesh first gives every host a whole copy spread over its own learner
-    devices (in the compute dtype when narrower than the weights', which halves the bytes moved), then
-    each host assembles every shard of its actor's layout on its actor device from the slices of its
-    learner shards that overlap it."""
+    jitted programs on the learner mesh first give every host the blocks its actor devices need (a whole
+    copy, for an actor per host) spread over its own learner devices, in the compute dtype when narrower
+    than the weights' (which halves the bytes moved), a few groups of leaves at a time; then each host
+    assembles every shard of its actor's layout on its actor devices from the slices of those that overlap it."""
     return sync(state, shardings, may_alias=may_alias)
 
 
@@ -235,12 +241,13 @@ class Trainer:
             raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
                               f"{self.processes} JAX processes (each trains its share of every step)")
         self.local_prompts = config.grpo.prompts_per_step // self.processes  # this process's groups per step
-        actor_devices, learner_devices = split_devices(config)
+        cut = split_devices(config)
+        learner_devices = cut.learner
         try:
             self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
-            self.actor_mesh = make_mesh(config.mesh.actor, actor_devices)
+            self.actor_mesh = make_mesh(config.mesh.actor, cut.actor)
         except ValueError as e:
-            raise ConfigError(f"mesh: {e} (actor: {len(actor_devices)} device(s)"
+            raise ConfigError(f"mesh: {e} (actor: {len(cut.actor)} device(s)"
                               f"{' on this host' if self.processes > 1 else ''}, learner: {len(learner_devices)})") from e
         problem = batch_split_problem(self.learner_mesh, self.processes, self.local_prompts * config.grpo.group_size)
         if problem:

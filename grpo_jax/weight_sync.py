@@ -1,10 +1,13 @@
 """Weight sync: the learner's parameters onto the actor's layout after every step, by resharding.
 
 The learner's parameters go to the actor's layout after every step without any device (or the host) ever
-holding a whole copy of the model (unless the layout itself asks for one, e.g. a replicated leaf):
-  1. (several processes) one jitted program on the learner mesh reshards them to a layout in which every
-     host holds a whole copy spread over its own learner devices (host_copy_sharding), cast on the way to
-     the compute dtype when the actor only needs that (halving the bytes moved);
+holding a whole copy of the model (unless the layout itself asks for one, e.g. a replicated leaf), in about
+GROUPS_STAGED groups of consecutive leaves, one after the other (WeightSync.__call__):
+  1. (several processes) one jitted program on the learner mesh reshards the group so that every host holds,
+     spread over its own learner devices, what its own actor devices need (WeightSync.stage_shardings): for an
+     actor per host, a whole copy (host_copy_sharding); for an actor mesh spanning the hosts, only the block of
+     each leaf its own actor devices hold between them (host_box_sharding). It casts on the way to the compute
+     dtype when the actor only needs that (halving the bytes moved);
   2. on each host, every shard of the actor's layout is put together on its actor device from the slices
      of the host's learner shards that overlap it (reshard_local): device-to-device copies of slices and
      a concatenation on the actor device. (jax.device_put between two device sets routes a layout it
@@ -13,6 +16,7 @@ holding a whole copy of the model (unless the layout itself asks for one, e.g. a
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -219,6 +223,21 @@ _PLANS: dict = {}
 GROUPS = 4  # reshard_local moves the arrays in about this many groups (see there)
 
 
+def _groups(sizes: list, groups: int) -> list:
+    """Consecutive slices of items of these byte sizes, about `groups` of them: each closes before it would pass
+    1/groups of the total (an item larger than that is a group of its own)."""
+    budget = max(sum(sizes) // groups, max(sizes, default=0))
+    slices, start, held = [], 0, 0
+    for end, size in enumerate(sizes):
+        if end > start and held + size > budget:
+            slices.append(slice(start, end))
+            start, held = end, 0
+        held += size
+    if start < len(sizes):
+        slices.append(slice(start, len(sizes)))
+    return slices
+
+
 def reshard_local(arrays: list, shardings: list, may_alias: bool = False, dtypes: tuple | None = None) -> list:
     """`arrays` on `shardings` (devices of this process), each put together shard by shard from its own
     shards on this process (which must hold all of it between them), cast to `dtypes` on the way (default:
@@ -229,17 +248,9 @@ def reshard_local(arrays: list, shardings: list, may_alias: bool = False, dtypes
     result may share the arrays' buffers where a shard is the same block on the same device (never where the
     learner may donate them)."""
     dtypes = tuple(np.dtype(x.dtype) for x in arrays) if dtypes is None else tuple(np.dtype(d) for d in dtypes)
-    sizes = [x.size * d.itemsize for x, d in zip(arrays, dtypes)]
-    budget = max(sum(sizes) // GROUPS, max(sizes, default=0))
-    results, start, held = [], 0, 0
-    for end in range(len(arrays) + 1):
-        if end == len(arrays) or (end > start and held + sizes[end] > budget):
-            if end > start:
-                group = slice(start, end)
-                results += _reshard_group(arrays[group], list(shardings[group]), may_alias, dtypes[group])
-            start, held = end, 0
-        if end < len(arrays):
-            held += sizes[end]
+    results = []
+    for group in _groups([x.size * d.itemsize for x, d in zip(arrays, dtypes)], GROUPS):
+        results += _reshard_group(arrays[group], list(shardings[group]), may_alias, dtypes[group])
     return results
 
 
@@ -253,51 +264,204 @@ def _reshard_group(arrays: list, shardings: list, may_alias: bool, dtypes: tuple
     return plan(arrays)
 
 
+# ------------------------------------------------------------------------------------------ staging by host
+
+
+def learner_hosts(sharding, hosts: int | None = None) -> list | None:
+    """The learner devices of each host, in the order of `sharding`'s devices (process-major: host h is the
+    h-th block of them). hosts: as in host_copy_mesh. None when the devices are not process-major."""
+    flat = list(sharding.mesh.devices.flat) if isinstance(sharding, NamedSharding) else \
+        sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    n = hosts or len({d.process_index for d in flat})
+    if len(flat) % n or (hosts is None and n > 1 and not all(
+            len({d.process_index for d in flat[h * len(flat) // n:(h + 1) * len(flat) // n]}) == 1 for h in range(n))):
+        return None
+    per = len(flat) // n
+    return [flat[h * per:(h + 1) * per] for h in range(n)]
+
+
+def target_hosts(target, blocks: list, hosts: int | None = None) -> dict | None:
+    """Which host (a number of learner_hosts' blocks) each device of the actor's `target` sharding is on, when
+    that actor spans every host: then each host stages only what its own actor devices need. None when it does
+    not (an actor per host, its mesh on this process's devices alone: every host needs every leaf whole).
+    hosts: as in host_copy_mesh, for the target too: its devices, in mesh order, taken in `hosts` blocks."""
+    flat = list(target.mesh.devices.flat) if isinstance(target, NamedSharding) else \
+        sorted(target.device_set, key=lambda d: (d.process_index, d.id))
+    if hosts is not None:
+        if len(flat) % hosts:
+            return None
+        per = len(flat) // hosts
+        return {d: i // per for i, d in enumerate(flat)}
+    number = {block[0].process_index: h for h, block in enumerate(blocks)}
+    if {d.process_index for d in flat} != set(number):
+        return None
+    return {d: number[d.process_index] for d in flat}
+
+
+def host_boxes(target, shape: tuple, host_of: dict, count: int) -> list | None:
+    """Per host (0..count-1), the box of an array of `shape` that its devices of `target` hold between them:
+    ((lo, hi) per dimension). None when some host's shards do not make one box (or it has none)."""
+    shards: list = [set() for _ in range(count)]
+    for device, index in target.devices_indices_map(shape).items():
+        shards[host_of[device]].add(_box(index, shape))
+    boxes = []
+    for held in shards:
+        if not held:
+            return None
+        bound = tuple((min(b[d][0] for b in held), max(b[d][1] for b in held)) for d in range(len(shape)))
+        # The shards are blocks of one regular grid: distinct ones never overlap, so they fill their bounding
+        # box exactly when their volumes add up to it.
+        if sum(math.prod(hi - lo for lo, hi in b) for b in held) != math.prod(hi - lo for lo, hi in bound):
+            return None
+        boxes.append(bound)
+    return boxes
+
+
+def host_box_sharding(boxes: list, shape: tuple, blocks: list) -> NamedSharding | None:
+    """A sharding over the learner devices (`blocks`, one per host, in the learner's device order) that puts
+    each host's box (host_boxes) on its own devices, split further over them on the largest dimension of the
+    box that they divide (replicated over them when none does). The boxes must tile the array as a grid of
+    equal blocks, each held by the same number of hosts, and the hosts must be in an order some mesh of
+    (grid axes, replicas) reads row-major (jit needs every sharding of a program over the devices in one
+    order); None when they do not."""
+    hosts, local = len(blocks), len(blocks[0])
+    counts = []
+    for d, n in enumerate(shape):
+        sizes = {b[d][1] - b[d][0] for b in boxes}
+        size = sizes.pop()
+        if sizes or size == 0 or n % size or any(b[d][0] % size for b in boxes):
+            return None
+        counts.append(n // size)
+    if hosts % math.prod(counts):
+        return None
+    axes = [(d, k) for d, k in enumerate(counts) if k > 1]
+    replicas = hosts // math.prod(counts)
+    if replicas > 1:
+        axes.append((None, replicas))
+    for order in itertools.permutations(axes):
+        if all(_reads(order, h, box, shape, counts) for h, box in enumerate(boxes)):
+            break
+    else:
+        return None
+    names = tuple("host_replica" if d is None else f"host_dim{d}" for d, _ in order)
+    mesh = Mesh(np.array([x for block in blocks for x in block]).reshape(*(k for _, k in order), local),
+                (*names, "local"), axis_types=(AxisType.Auto,) * (len(order) + 1))
+    entries = [[f"host_dim{d}"] if k > 1 else [] for d, k in enumerate(counts)]
+    split = next((d for d in sorted(range(len(shape)), key=lambda i: -shape[i] // counts[i])
+                  if (shape[d] // counts[d]) % local == 0), None)
+    if split is not None and local > 1:
+        entries[split].append("local")
+    return NamedSharding(mesh, PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)))
+
+
+def _reads(order: tuple, host: int, box: tuple, shape: tuple, counts: list) -> bool:
+    """Whether `host`'s place in a row-major mesh of `order`'s axes is its box's cell of the grid."""
+    for d, k in reversed(order):
+        host, digit = divmod(host, k)
+        if d is not None:
+            size = shape[d] // counts[d]
+            if box[d] != (digit * size, (digit + 1) * size):
+                return False
+    return True
+
+
+GROUPS_STAGED = 4  # WeightSync stages and reshards the leaves in about this many groups (see __call__)
+
+
 class WeightSync:
     """The learner's weights onto the actor's layout, as a separate copy (see above).
 
     compute_dtype: the model's compute dtype; float weights wider than it are cast to it inside the
     jitted first step (the actor keeps the narrow copy: the model casts every weight to the compute dtype
     before use, so sampling is bit-identical). may_alias (per call): the result may share the learner's
-    buffers where both layouts agree (only for weights the learner never donates, the frozen LoRA base)."""
+    buffers where both layouts agree (only for weights the learner never donates, the frozen LoRA base).
+    hosts (tests): blocks of one process's devices taken as hosts: the learner's devices in its mesh order,
+    and each target's devices in its mesh order, each in `hosts` consecutive blocks (host h: block h of both)."""
 
-    def __init__(self, compute_dtype=None, hosts: int | None = None):
+    def __init__(self, compute_dtype=None, hosts: int | None = None, groups: int = GROUPS_STAGED):
         self.compute_dtype = None if compute_dtype is None else np.dtype(compute_dtype)
-        self.hosts = hosts  # tests: blocks of one process's devices taken as hosts (see host_copy_mesh)
+        self.hosts = hosts
+        self.groups = groups
         self._programs: dict = {}
 
-    def stage(self, state):
-        """Step 1, on several processes: the weights on a layout in which every host holds a whole copy on
-        its learner devices, in the dtype the actor gets; `state` itself when it already is so (one process:
-        always; the cast is then done with step 2)."""
+    def _several(self) -> bool:
+        return (self.hosts or jax.process_count()) > 1
+
+    def stage(self, state, shardings=None):
+        """Step 1, on several processes, for the whole state at once (tests, benchmarks; __call__ stages in
+        groups): the weights on a layout in which every host holds, on its learner devices, the blocks its own
+        devices of `shardings` (the actor's targets, one per leaf) need, in the dtype the actor gets; without
+        shardings, or for an actor per host, a whole copy per host. `state` itself when it already is so (one
+        process: always; the cast is then done with step 2)."""
         leaves, treedef = jax.tree.flatten(state)
-        if (self.hosts or jax.process_count()) == 1 or not leaves:
+        if not self._several() or not leaves:
             return state
-        program = self.stage_program(leaves)
+        targets = None if shardings is None else _targets(shardings, leaves)
+        program = self.stage_program(leaves, targets)
         return state if program is None else jax.tree.unflatten(treedef, program(leaves))
 
-    def stage_program(self, leaves: list):
+    def stage_shardings(self, leaves: list, targets: list | None = None) -> tuple:
+        """Where step 1 puts each leaf: its host boxes (host_box_sharding) when the actor spans the hosts and
+        they tile, else a whole copy per host spread over the host's learner devices (host_copy_sharding)."""
+        first = leaves[0].sharding
+        view = host_copy_mesh(first.mesh, self.hosts) if isinstance(first, NamedSharding) else None
+        blocks = learner_hosts(first, self.hosts)
+        out = []
+        for i, x in enumerate(leaves):
+            sharding = None
+            target = None if targets is None else targets[i]
+            host_of = None if target is None or blocks is None else target_hosts(target, blocks, self.hosts)
+            if host_of is not None and len(set(host_of.values())) == len(blocks):
+                boxes = host_boxes(target, x.shape, host_of, len(blocks))
+                whole = tuple((0, n) for n in x.shape)
+                if boxes is not None and any(b != whole for b in boxes):
+                    sharding = host_box_sharding(boxes, x.shape, blocks)
+            out.append(sharding or host_copy_sharding(x, view, self.hosts))
+        return tuple(out)
+
+    def stage_program(self, leaves: list, targets: list | None = None):
         """The jitted step 1 for these arrays (or jax.ShapeDtypeStructs with shardings: grpo-jax compile can
-        lower it), a function of the list of leaves; None when nothing needs to move or be cast."""
+        lower it) and the actor's `targets` (one sharding per leaf; None: a whole copy per host), a function of
+        the list of leaves; None when nothing needs to move or be cast."""
         casts = tuple(narrowed(x.dtype, self.compute_dtype) for x in leaves)
-        view = host_copy_mesh(leaves[0].sharding.mesh, self.hosts) if isinstance(
-            leaves[0].sharding, NamedSharding) else None
-        targets = tuple(host_copy_sharding(x, view, self.hosts) for x in leaves)
+        staged = self.stage_shardings(leaves, targets)
         if all(c == x.dtype for c, x in zip(casts, leaves)) and all(
-                t.is_equivalent_to(x.sharding, len(x.shape)) for t, x in zip(targets, leaves)):
+                t.is_equivalent_to(x.sharding, len(x.shape)) for t, x in zip(staged, leaves)):
             return None
-        key = (casts, targets)
+        key = (casts, staged)
         if key not in self._programs:
             def cast(tree):
                 return [x.astype(c) for x, c in zip(tree, casts)]
-            self._programs[key] = jax.jit(cast, out_shardings=list(targets))
+            self._programs[key] = jax.jit(cast, out_shardings=list(staged))
         return self._programs[key]
 
+    def group_slices(self, leaves: list) -> list:
+        """The consecutive groups of leaves __call__ stages and reshards one at a time: about `groups` of them by
+        the bytes sent (the same on every process: shapes and dtypes only)."""
+        return _groups([math.prod(x.shape) * narrowed(x.dtype, self.compute_dtype).itemsize for x in leaves],
+                       self.groups)
+
     def __call__(self, state, shardings, may_alias: bool = False):
-        staged = self.stage(state)
-        leaves, treedef = jax.tree.flatten(staged)
-        targets = jax.tree.leaves(shardings)  # one per leaf, in the same order (a Variable's sharding at its place)
-        if len(targets) != len(leaves):
-            raise ValueError(f"{len(targets)} shardings for {len(leaves)} arrays")
+        """`state` on the actor's `shardings` (a tree of them, one per leaf of state, or a Variable's at its
+        place). Group by group (group_slices): stage it (several processes), put the actor's shards together
+        from the staged ones (reshard_local), drop the staged group; so the staged copy and its temporaries are
+        about 1/groups of the weights at any time."""
+        leaves, treedef = jax.tree.flatten(state)
+        targets = _targets(shardings, leaves)
         dtypes = tuple(narrowed(x.dtype, self.compute_dtype) for x in leaves)
-        return jax.tree.unflatten(treedef, reshard_local(leaves, targets, may_alias or staged is not state, dtypes))
+        out = []
+        for group in self.group_slices(leaves):
+            part, part_targets = leaves[group], targets[group]
+            program = self.stage_program(part, part_targets) if self._several() else None
+            staged = part if program is None else program(part)
+            # Staged arrays are this call's own: the result may share their buffers.
+            out += reshard_local(staged, part_targets, may_alias or program is not None, dtypes[group])
+            del staged
+        return jax.tree.unflatten(treedef, out)
+
+
+def _targets(shardings, leaves: list) -> list:
+    targets = jax.tree.leaves(shardings)  # one per leaf, in the same order (a Variable's sharding at its place)
+    if len(targets) != len(leaves):
+        raise ValueError(f"{len(targets)} shardings for {len(leaves)} arrays")
+    return targets

@@ -12,14 +12,16 @@ import jax
 import pytest
 from flax import nnx
 
-from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, compile_run, engine_setup, format_report,
-                          model_flops_per_step, run_layout, shard_bytes, tpu_topology)
+from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, abstract_params, actor_params, compile_one,
+                          compile_run, engine_setup, format_report, model_flops_per_step, run_layout, shard_bytes,
+                          tpu_topology)
 from grpo_jax.cli import main
 from grpo_jax.config import Config
 from grpo_jax.config_io import load_config
-from grpo_jax.errors import CheckpointError
+from grpo_jax.errors import CheckpointError, ConfigError
 from grpo_jax.hf import checkpoint_config, load_hf_model
-from grpo_jax.model import Transformer
+from grpo_jax.model import DTYPES, Transformer
+from grpo_jax.weight_sync import WeightSync, narrowed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -54,6 +56,16 @@ BF16 = ["model.dtype=bfloat16"]  # compute in bfloat16 over float32 master weigh
 @pytest.fixture(scope="module")
 def two_hosts():
     return compile_run(tiny(*TWO_HOSTS, *BF16), "v5p:2x2x2", isolate=False)
+
+
+# One actor mesh across both hosts: 2 actor devices on each, tensor 4 over the 4 of them (the model's 4 heads split
+# across hosts); the learner on the other 2 devices of each host.
+SPANNING = ["mesh.actor_devices=2", "mesh.actor.tensor=4", "mesh.learner.fsdp=4", "eval.every_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def spanning():
+    return compile_run(tiny(*SPANNING, *BF16), "v5p:2x2x2", isolate=False)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +141,9 @@ def test_two_hosts_stage_a_narrow_copy_per_host_for_the_actor(two_hosts):
     narrow = weights / 2  # the whole model in bfloat16
     stage = two_hosts.program("weight sync stage")
     assert stage.devices == 4  # two learner devices on each of the two hosts
-    # Half of the bfloat16 copy on each of a host's 2 learner devices (TPU tiling pads the tiny leaves a little);
-    # a full copy per device would be at least `narrow`, a float32 one twice that.
-    assert narrow / 2 <= stage.memory.outputs < 0.75 * narrow
+    # At most half of the bfloat16 copy on each of a host's 2 learner devices (staged in groups: see
+    # test_two_hosts_stage_whole_copies_in_groups); a full copy per device would be at least `narrow`.
+    assert stage.memory.outputs < 0.75 * narrow / 2
     assert stage.held >= 2 * weights / 4  # the moments stay where they are
     assert stage.cost is not None and stage.hints and "learner devices per host" in stage.hints[0]
     learner = two_hosts.program("learner step")
@@ -146,6 +158,67 @@ def test_two_hosts_stage_a_narrow_copy_per_host_for_the_actor(two_hosts):
     assert "bfloat16" in copy.how
     assert two_hosts.step is not None and two_hosts.step.seconds > 0
     assert "weight sync stage" in format_report(two_hosts)
+
+
+def staged_group_bytes(config: Config, sync: WeightSync) -> list:
+    """The bytes (in the dtype sent) of each group of leaves the sync stages one after the other."""
+    leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))))
+    sizes = [math.prod(x.shape) * narrowed(x.dtype, sync.compute_dtype).itemsize for x in leaves]
+    return [sum(sizes[g]) for g in sync.group_slices(leaves)]
+
+
+def test_two_hosts_stage_whole_copies_in_groups(two_hosts):
+    # The per-host copy is staged in groups of leaves: the stage's memory is its largest group's, split over a
+    # host's 2 learner devices (TPU tiling pads the tiny leaves a little), not the whole copy's.
+    config = tiny(*TWO_HOSTS, *BF16)
+    groups = staged_group_bytes(config, WeightSync(DTYPES[config.model.dtype]))
+    assert len(groups) > 1
+    stage = two_hosts.program("weight sync stage")
+    assert max(groups) / 2 <= stage.memory.outputs < 0.8 * max(groups)  # a whole copy per device: max(groups)
+    assert stage.notes and f"{len(groups)} programs" in stage.notes[0]
+
+
+def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_per_host(spanning):
+    config = tiny(*SPANNING, *BF16)
+    topology = tpu_topology("v5p:2x2x2")
+    layout = run_layout(config, topology.devices)
+    assert layout.actor_spans_hosts and layout.actor_mesh.size == 4 and layout.actor_devices_per_host == 2
+    assert {d.process_index for d in layout.actor_mesh.devices.flat} == {0, 1}
+    assert spanning.layout.startswith("actor (one across all 2 hosts, every host's prompts): 4 device(s), 2 per host")
+    assert [p.name for p in spanning.programs] == ["learner step", "sampler generate", "weight sync stage"]
+    for program in spanning.programs:
+        assert program.memory is not None and 0 < program.total < topology.hbm_bytes
+    # One actor samples all 8 prompts x 4: at least 2 FLOPs per weight per generated token of all 32 rows (a
+    # per-host actor would generate 16).
+    sampler = spanning.program("sampler generate")
+    rows = config.grpo.prompts_per_step * config.grpo.group_size
+    assert sampler.devices == 4
+    assert 2 * spanning.param_count * rows * config.sampler.max_new_tokens <= sampler.cost.flops * sampler.devices
+    # The stage gives each host only its half of the (tensor-split) weights, over its 2 learner devices: about a
+    # quarter of the bfloat16 model per learner device, where a whole copy per host would be half. Compiled here
+    # for all leaves at once (the run stages them in groups, each smaller still).
+    narrow = param_bytes(config) / 2
+    _, params = abstract_params(config.model, layout.learner_mesh)
+    _, actor = actor_params(config.model, layout.actor_mesh)
+    sync = WeightSync(DTYPES[config.model.dtype], groups=1)
+    leaves, targets = jax.tree.leaves(params), [x.sharding for x in jax.tree.leaves(actor)]
+    # Per learner device, from the stage's shardings: the 2 KV heads do not split over tensor 4, so their leaves
+    # (and the norms) are whole on each host; the rest is a quarter.
+    ideal = sum(math.prod(s.shard_shape(x.shape)) * 2 for x, s in zip(leaves, sync.stage_shardings(leaves, targets)))
+    assert narrow / 4 <= ideal < 0.3 * narrow
+    whole = compile_one(sync.stage_program(leaves, targets), (leaves,), topology, label="weight sync stage")
+    assert ideal <= whole.memory.outputs < 1.4 * ideal  # TPU tiling pads the tiny leaves
+    stage = spanning.program("weight sync stage")
+    assert stage.memory.outputs <= whole.memory.outputs
+    assert "more learner devices (now 4, 2 per host)" in stage.hints[0]
+
+
+def test_an_actor_across_hosts_is_refused_with_the_continuous_engine_or_evaluation():
+    devices = tpu_topology("v5p:2x2x2").devices
+    with pytest.raises(ConfigError, match="sampler.engine='continuous'.*set sampler.engine=static"):
+        run_layout(tiny(*SPANNING, "sampler.engine=continuous"), devices)
+    with pytest.raises(ConfigError, match="eval.every_steps=5"):
+        run_layout(tiny(*SPANNING[:-1], "eval.every_steps=5"), devices)
 
 
 def test_engine_keeps_the_actor_weights_in_the_compute_dtype():

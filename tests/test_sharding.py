@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.model import ModelConfig, create_model
-from grpo_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_module, spec_for
+from grpo_jax.sharding import MeshConfig, batch_sharding, cut_devices, make_mesh, shard_module, spec_for
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=8, num_kv_heads=2, qkv_bias=True)
@@ -47,3 +47,21 @@ def test_mesh_config_errors_name_the_problem():
         MeshConfig(fsdp=-1, tensor=3).resolve(8)
     assert MeshConfig(fsdp=-1, tensor=2).resolve(8) == (1, 4, 2)
     assert MeshConfig(fsdp=-1, tensor=-1).validate()
+
+
+def test_the_device_cut_chooses_one_actor_per_host_or_one_across_hosts_and_names_impossible_ones():
+    hosts = np.array(jax.devices()[:8]).reshape(2, 4)  # two hosts of four devices, process-major
+    per_host = cut_devices(hosts, 1, MeshConfig(), this_host=1)
+    assert per_host.actor == [hosts[1, 0]] and not per_host.actor_spans_hosts and not per_host.shared
+    assert per_host.learner == [*hosts[0, 1:], *hosts[1, 1:]]
+    shared = cut_devices(hosts, 0, MeshConfig(fsdp=2, tensor=2))
+    assert shared.shared and shared.actor == list(hosts[0]) and shared.learner == list(hosts.flat)
+    across = cut_devices(hosts, 2, MeshConfig(fsdp=2, tensor=2))  # 4 devices: more than one host's 2
+    assert across.actor_spans_hosts and across.actor == [*hosts[0, :2], *hosts[1, :2]]
+    assert across.learner == [*hosts[0, 2:], *hosts[1, 2:]]
+    with pytest.raises(ValueError, match=r"mesh.actor_devices=4: leaves no device for the learner \(4 devices per host"):
+        cut_devices(hosts, 4, MeshConfig())
+    with pytest.raises(ValueError, match="needs devices of its own, so set mesh.actor_devices > 0"):
+        cut_devices(hosts, 0, MeshConfig(fsdp=8))
+    with pytest.raises(ValueError, match="fits neither one host's 2 actor device.s. nor the 4 of all 2 hosts"):
+        cut_devices(hosts, 2, MeshConfig(fsdp=3))

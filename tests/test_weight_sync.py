@@ -130,7 +130,7 @@ def test_several_hosts_each_get_a_whole_copy_spread_over_their_own_devices(learn
     assert host_copy_mesh(mesh, hosts) is not None
     _, params = learner_params(MODEL, learner, devices)
     sync = WeightSync(jnp.bfloat16, hosts=hosts)
-    staged = sync.stage(params)
+    staged = sync.stage(params)  # no targets: as for an actor per host, a whole copy on each
     blocks = [set(mesh.devices.flat[h * local:(h + 1) * local]) for h in range(hosts)]
     for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(staged)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
@@ -160,6 +160,89 @@ def test_several_hosts_each_get_a_whole_copy_spread_over_their_own_devices(learn
     shardings = state_shardings(params, actor_mesh)
     for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(sync(params, shardings))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+
+
+# Two simulated hosts of 4 devices (0-3 and 4-7), each with 2 actor devices and 2 learner devices: the actor mesh
+# over devices 0, 1 (host 0) and 4, 5 (host 1), process-major as make_mesh lays one out across hosts.
+SPAN_ACTOR, SPAN_LEARNER = [0, 1, 4, 5], [2, 3, 6, 7]
+
+
+def host_block(sharding, shape, host: int, per_host: int):
+    """The box of an array that one simulated host's devices of `sharding` hold between them: the union of their
+    shards, worked out here from the shards themselves."""
+    devices = list(sharding.mesh.devices.flat)[host * per_host:(host + 1) * per_host]
+    cells = np.zeros(shape, bool)
+    for device in devices:
+        cells[sharding.devices_indices_map(shape)[device]] = True
+    return cells
+
+
+@pytest.mark.parametrize("actor", [MeshConfig(fsdp=1, tensor=4), MeshConfig(fsdp=2, tensor=2), MeshConfig(fsdp=4),
+                                   MeshConfig(data=2, fsdp=1, tensor=2)])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_an_actor_across_hosts_stages_only_each_hosts_block(actor, groups, no_host_copies):
+    hosts = 2
+    devices = jax.devices()
+    actor_mesh = make_mesh(actor, [devices[i] for i in SPAN_ACTOR])
+    learner = make_mesh(MeshConfig(fsdp=2, tensor=2), [devices[i] for i in SPAN_LEARNER])
+    _, params = learner_params(MODEL, MeshConfig(fsdp=2, tensor=2), list(learner.devices.flat))
+    shardings = state_shardings(params, actor_mesh)
+    sync = WeightSync(jnp.bfloat16, hosts=hosts, groups=groups)
+    staged = sync.stage(params, shardings)
+    learner_blocks = [set(list(learner.devices.flat)[h * 2:(h + 1) * 2]) for h in range(hosts)]
+    smaller = 0
+    for want, got, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(staged), jax.tree.leaves(shardings)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+        for h, block in enumerate(learner_blocks):
+            need = host_block(sharding, want.shape, h, 2)
+            held = np.zeros(want.shape, bool)
+            for s in got.addressable_shards:
+                if s.device in block:
+                    inside = np.zeros(want.shape, bool)
+                    inside[s.index] = True
+                    assert not (inside & ~need).any()  # nothing beyond the host's own block
+                    assert s.data.nbytes <= need.sum() * got.dtype.itemsize
+                    held |= inside
+            assert (held == need).all()  # and all of it, on the host's own learner devices
+            smaller += need.sum() < want.size
+    # tensor / fsdp across the hosts: some leaves are split between them; data across them: whole copies.
+    assert (smaller > 0) == (actor.data == 1)
+    no_host_copies.clear()  # the checks above read the staged arrays on the host
+    staged_whole = len(sync._programs)
+    for _ in range(2):  # the second call reuses the programs and plans
+        out = sync(params, shardings)
+    assert no_host_copies == []
+    for want, got, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(out), jax.tree.leaves(shardings)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+        assert_shards_are_blocks(got, sharding)
+    # __call__ compiles one stage program per group (with one group, stage's own), each for about 1/groups of the
+    # bytes.
+    slices = sync.group_slices(jax.tree.leaves(params))
+    assert len(slices) == 1 if groups == 1 else 3 <= len(slices) <= 6
+    assert len(sync._programs) == staged_whole + (0 if groups == 1 else len(slices))
+
+
+def test_a_tensor_split_across_hosts_stages_half_per_host_split_over_its_devices():
+    # tensor 4 over both hosts: an MLP weight [embed, mlp] is cut in two along mlp, one half per host, and each
+    # half split over the host's 2 learner devices: a quarter of the leaf per learner device, in bfloat16.
+    devices = jax.devices()
+    actor_mesh = make_mesh(MeshConfig(fsdp=1, tensor=4), [devices[i] for i in SPAN_ACTOR])
+    learner = [devices[i] for i in SPAN_LEARNER]
+    _, params = learner_params(MODEL, MeshConfig(fsdp=4), learner)
+    shardings = state_shardings(params, actor_mesh)
+    staged = WeightSync(jnp.bfloat16, hosts=2).stage(params, shardings)
+    whole = sum(x.size * 2 for x in jax.tree.leaves(staged))
+    per_device = {d: 0 for d in learner}
+    for x in jax.tree.leaves(staged):
+        for s in x.addressable_shards:
+            per_device[s.device] += s.data.nbytes
+    # A whole copy per host would be whole / 2 per learner device; the blocks are about a quarter (the norms,
+    # replicated over tensor, are still whole per host).
+    assert all(whole / 4 <= n < 0.3 * whole for n in per_device.values())
+    mlp = next(x for path, x in jax.tree_util.tree_leaves_with_path(staged)
+               if "up" in jax.tree_util.keystr(path) or "gate" in jax.tree_util.keystr(path))
+    assert {s.data.size for s in mlp.addressable_shards} == {mlp.size // 4}
 
 
 def test_sampling_with_the_cast_weights_is_bit_identical():

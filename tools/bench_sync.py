@@ -14,8 +14,10 @@ warm-up), the bytes that land on the actor (logical size in the dtype sent) and 
   old gather       what several processes did: a jitted gather of every leaf onto every learner device, then
                    device_put of one device's replica (largest = whole model on every learner device).
   new              weight_sync.WeightSync: each actor shard assembled on its device from slices of the learner's.
-  new, 2 hosts     the same with the 4 learner devices taken as 2 hosts (step 1, the jitted reshard to one
-                   whole copy per host spread over its 2 devices, is then a real program).
+  new, 2 hosts     the same with the 4 learner devices and the 4 actor devices each taken as 2 hosts (an actor
+                   across the hosts): step 1, the jitted reshard that gives each host the blocks its actor devices
+                   need spread over its 2 learner devices, is then a real program, run per group of leaves (the
+                   largest-buffer figure stages all groups at once: an upper bound).
   ... bf16         model.dtype bfloat16 over float32 master weights: cast in the jitted step (bytes halved).
 """
 
@@ -104,7 +106,7 @@ def main() -> None:
                 assert np.array_equal(np.asarray(want.astype(got.dtype)), np.asarray(got)), label
             if held is None:  # the new path: the actor's shards, and step 1's per-device buffers when it runs
                 sync = syncs[label]
-                staged = sync.stage(params)
+                staged = sync.stage(params, shardings)  # all groups at once: an upper bound
                 held = max(largest_shard(out), largest_shard(staged))
             print(f"  {label:18s} {seconds * 1e3:8.1f} ms  {sent / 2**20:7.2f} MiB sent  "
                   f"largest buffer on one device/host {held / 2**20:7.2f} MiB", flush=True)
