@@ -658,8 +658,9 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
     static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else cfg.top_k,
                   use_top_p=(not greedy) and cfg.top_p < 1)
 
-    # An actor across hosts gets its rows split over data x fsdp where they divide (Sampler._global_rows); an
-    # actor per host, from its own process, replicated.
+    # An actor across hosts gets every host's rows split over data x fsdp where they divide (as the weights'
+    # fsdp; each host then places only the rows its own devices hold); an actor per host, from its own
+    # process, replicated.
     rows_sharding = replicated
     if layout.actor_spans_hosts and batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0:
         rows_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

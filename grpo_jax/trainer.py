@@ -25,6 +25,7 @@ save, and exit with EXIT_PREEMPTED; a second signal exits at once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -111,7 +112,7 @@ def split_devices(config: Config) -> DeviceCut:
         raise ConfigError(str(e)) from e
     if cut.actor_spans_hosts:
         raise ConfigError(
-            f"mesh.actor {config.mesh.actor}: needs {len(cut.actor)} devices, more than one host's "
+            f"mesh.actor {dataclasses.asdict(config.mesh.actor)}: needs {len(cut.actor)} devices, more than one host's "
             f"{len(cut.actor) // jax.process_count()} actor device(s), so it would span hosts; grpo-jax compile "
             "lays such an actor out, but the trainer does not run one yet. Use a mesh.actor that fits one host's "
             "mesh.actor_devices (every host then samples with its own copy)")
