@@ -35,7 +35,7 @@ def host_copy_mesh(mesh: Mesh, hosts: int | None = None) -> Mesh | None:
     as hosts, for tests on one process)."""
     if hosts is None:
         hosts = len({d.process_index for d in mesh.devices.flat})
-        if hosts > 1 and not _process_major(mesh, hosts):
+        if hosts > 1 and not _process_major(list(mesh.devices.flat), hosts):
             return None
     if hosts == 1:
         return mesh
@@ -51,8 +51,14 @@ def host_copy_mesh(mesh: Mesh, hosts: int | None = None) -> Mesh | None:
     return Mesh(devices, ("data", "fsdp_host", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 4)
 
 
-def _process_major(mesh: Mesh, hosts: int) -> bool:
-    flat = list(mesh.devices.flat)
+def _in_order(sharding) -> list:
+    """A sharding's devices in its mesh order (process, then id, for a sharding without a mesh)."""
+    if isinstance(sharding, NamedSharding):
+        return list(sharding.mesh.devices.flat)
+    return sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+
+
+def _process_major(flat: list, hosts: int) -> bool:
     per = len(flat) // hosts
     return all(len({d.process_index for d in flat[h * per:(h + 1) * per]}) == 1 for h in range(hosts))
 
@@ -64,8 +70,7 @@ def host_copy_sharding(x, view: Mesh | None, hosts: int | None = None) -> NamedS
     sharding = x.sharding
     if view is not None and isinstance(sharding, NamedSharding):
         return NamedSharding(view, _spread(sharding.spec, x.shape, view))
-    flat = list(sharding.mesh.devices.flat) if isinstance(sharding, NamedSharding) else \
-        sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    flat = _in_order(sharding)
     hosts = hosts or len({d.process_index for d in flat})
     mesh = Mesh(np.array(flat).reshape(hosts, -1), ("host", "local"), axis_types=(AxisType.Auto,) * 2)
     local = mesh.shape["local"]
@@ -270,11 +275,9 @@ def _reshard_group(arrays: list, shardings: list, may_alias: bool, dtypes: tuple
 def learner_hosts(sharding, hosts: int | None = None) -> list | None:
     """The learner devices of each host, in the order of `sharding`'s devices (process-major: host h is the
     h-th block of them). hosts: as in host_copy_mesh. None when the devices are not process-major."""
-    flat = list(sharding.mesh.devices.flat) if isinstance(sharding, NamedSharding) else \
-        sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    flat = _in_order(sharding)
     n = hosts or len({d.process_index for d in flat})
-    if len(flat) % n or (hosts is None and n > 1 and not all(
-            len({d.process_index for d in flat[h * len(flat) // n:(h + 1) * len(flat) // n]}) == 1 for h in range(n))):
+    if len(flat) % n or (hosts is None and n > 1 and not _process_major(flat, n)):
         return None
     per = len(flat) // n
     return [flat[h * per:(h + 1) * per] for h in range(n)]
@@ -285,8 +288,7 @@ def target_hosts(target, blocks: list, hosts: int | None = None) -> dict | None:
     that actor spans every host: then each host stages only what its own actor devices need. None when it does
     not (an actor per host, its mesh on this process's devices alone: every host needs every leaf whole).
     hosts: as in host_copy_mesh, for the target too: its devices, in mesh order, taken in `hosts` blocks."""
-    flat = list(target.mesh.devices.flat) if isinstance(target, NamedSharding) else \
-        sorted(target.device_set, key=lambda d: (d.process_index, d.id))
+    flat = _in_order(target)
     if hosts is not None:
         if len(flat) % hosts:
             return None
