@@ -295,10 +295,18 @@ class Trainer:
                                                 open_own_state=self._open_own_state, agree=self.agreement.gather)
         self.preempted = False
         self.already_done = restored is not None and restored.step >= config.trainer.max_steps
+        self.export_missing = False
         if self.already_done:
             # Nothing to train: leave the ledger (and the finished run's audit) exactly as it is.
             self.version = self.resumed_from = restored.step
-            self.close()
+            # A kill after the last checkpoint committed but before final_model/ was written: train() writes it
+            # from the checkpoint's weights. (hf.save_hf_model writes config.json last.)
+            missing = config.trainer.save_final_model and not (self.run_dir / "final_model" / "config.json").exists()
+            self.export_missing = bool(self.agreement.gather([missing]).any())
+            if self.export_missing:
+                self.learner.params = restored.state["params"]
+            else:
+                self.close()
             return
         if restored is None:
             self._start_fresh()
@@ -665,6 +673,13 @@ class Trainer:
         if self.already_done:
             logger.warning("checkpoint step %d in %s already reaches trainer.max_steps=%d: nothing to train "
                            "(raise trainer.max_steps to go on)", self.version, self.run_dir, cfg.trainer.max_steps)
+            if self.export_missing:
+                logger.warning("%s is missing (the run stopped before writing it): writing it from checkpoint "
+                               "step %d", self.run_dir / "final_model", self.version)
+                try:
+                    self._export_final_model()
+                finally:
+                    self.close()
             return []
         writer = None
         if self.process_index == 0:  # one metrics file per run (it reports process 0's groups)

@@ -162,6 +162,21 @@ def test_a_finished_run_resumed_with_the_same_max_steps_does_nothing(saved_run, 
     assert read_ledger(run_dir) == lines
 
 
+def test_a_finished_run_killed_before_its_final_model_writes_it_on_resume(saved_run, tmp_path):
+    # A kill after the last checkpoint committed, before (or while) final_model/ was written.
+    import shutil
+    run_dir = copy_of(saved_run, tmp_path)
+    lines = read_ledger(run_dir)
+    written = (run_dir / "final_model" / "model.safetensors").read_bytes()
+    shutil.rmtree(run_dir / "final_model")
+    (run_dir / "final_model").mkdir()  # an export cut short leaves no config.json (written last)
+    assert Trainer(tiny_config(run_dir, "trainer.max_steps=2")).train() == []
+    assert (run_dir / "final_model" / "model.safetensors").read_bytes() == written  # the checkpoint's weights
+    assert (run_dir / "final_model" / "config.json").exists()
+    assert read_ledger(run_dir) == lines
+    Trainer(tiny_config(run_dir, "trainer.max_steps=2")).close()  # the run directory's lock was released
+
+
 def test_a_checkpoint_without_ordinal_data_resumes_with_a_warning_stating_the_loss(saved_run, tmp_path, caplog):
     run_dir = copy_of(saved_run, tmp_path)
     item = run_dir / "checkpoints" / "2" / "collector" / "metadata"
