@@ -25,6 +25,16 @@ Contract with the learner (grpo_jax.trainer):
   that grow too stale before they are trained, until the learner stops it.
 - A failure closes the buffer with the error, so the learner stops with it instead of waiting.
 - Random keys depend only on the run's base key, the prompt's global ordinal and its regeneration count.
+
+An actor whose mesh spans hosts (`lockstep`, sharding.cut_devices) is one sampler shared by every process:
+each process's actor thread runs the same rounds, and every decision that starts a collective program is
+taken on values all processes gathered (distributed.HostAgreement over the actor's devices). A round:
+  1. stop? (any process stopping stops every actor thread, so none waits in a collective for it);
+  2. weights: the newest version any process has been pushed, adopted by all (a process that has not yet
+     been pushed it waits for its own learner thread, which finished the same collective sync step);
+  3. each process admits its own prompts as above (its collector, its buffer); the prompts and their keys
+     of all processes are gathered, generated as one batch, and each process finishes its own groups.
+Each process's ledger, ordinals, buffer and checkpoint state stay its own, exactly as with one actor per host.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import numpy as np
 from grpo_jax.advantages import group_advantages
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
+from grpo_jax.distributed import HostAgreement
 from grpo_jax.engine import Engine, GroupResult
 from grpo_jax.ledger import global_ordinal
 from grpo_jax.replay_buffer import Group, ReplayBuffer
@@ -68,18 +79,23 @@ class Actor:
     """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
 
     def __init__(self, config: Config, sampler: Sampler | Engine, tokenizer: Tokenizer, collector: Collector,
-                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0):
+                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0,
+                 lockstep: HostAgreement | None = None):
         self.config = config
+        self.lockstep = lockstep  # an actor mesh across hosts: rounds in lockstep with the other processes
         self.base_key = base_key
         self.sampler = sampler
         self.streaming = isinstance(sampler, Engine)
-        self.num_devices = len(jax.tree.leaves(sampler.state)[0].sharding.device_set)
+        # Its share of the devices: across hosts each process counts only its own groups' tokens.
+        self.num_devices = len(jax.tree.leaves(sampler.state)[0].sharding.device_set) // (
+            jax.process_count() if lockstep is not None else 1)
         self.tokenizer = tokenizer
         self.collector = collector
         self.buffer = buffer
         self.rewards = rewards
         self._version = version
         self._pending: tuple[Any, int] | None = None  # (state, version) pushed by the learner
+        self._pushed: dict[int, Any] = {}  # lockstep: version -> state pushed and not yet adopted
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -107,6 +123,8 @@ class Actor:
     def push_weights(self, state, version: int) -> None:
         with self._cond:
             self._pending = (state, version)
+            if self.lockstep is not None:  # adopted at the version all processes agree on, which may lag this
+                self._pushed[version] = state
             self._cond.notify_all()
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -155,6 +173,10 @@ class Actor:
 
     def _run(self) -> None:
         try:
+            if self.lockstep is not None:
+                while self._lockstep_round():
+                    pass
+                return
             while not self._stop.is_set():
                 self._adopt_pending_weights()
                 self._run_side_jobs()
@@ -170,6 +192,68 @@ class Actor:
             self.error = e
             logger.exception("actor thread failed")
             self.buffer.close(error=e)
+
+    # -- an actor across hosts: lockstep rounds (see the module docstring) --
+
+    def _lockstep_round(self) -> bool:
+        """One round; False when the actor threads stop (on every process together)."""
+        with self._cond:
+            newest = max(self._pushed, default=-1)
+        agreed = self.lockstep.gather([self._stop.is_set(), newest])
+        if agreed[:, 0].any():
+            return False
+        self._adopt_agreed_weights(int(agreed[:, 1].max()))
+        prompts = self._keep_good(self._admit())
+        if len(prompts) > self._rows:  # requeued prompts can outnumber a handout: the rest wait a round
+            self._requeue_back(prompts[self._rows:])
+            self.buffer.release(len(prompts) - self._rows)
+            prompts = prompts[:self._rows]
+        longest = max((len(p.record["prompt_ids"]) for p in prompts), default=0)
+        counts = self.lockstep.gather([len(prompts), longest])
+        if not counts[:, 0].any():
+            self._wait_for_newer_weights()
+            return True
+        self._generate_across_hosts(prompts, counts[:, 0].tolist(), int(counts[:, 1].max()))
+        return True
+
+    def _adopt_agreed_weights(self, version: int) -> None:
+        """Adopt `version` (the newest any process has been pushed) once this process has it too."""
+        if version <= self._version:
+            return
+        timeout = self.config.trainer.group_timeout_s
+        with self._cond:
+            # This process's learner finished the same collective sync step; its push follows shortly.
+            if not self._cond.wait_for(lambda: version in self._pushed, timeout=timeout):
+                raise RuntimeError(f"another process's actor adopted weight version {version}, which this process's "
+                                   f"learner did not hand over within trainer.group_timeout_s={timeout}s")
+            state = self._pushed[version]
+            self._pushed = {v: s for v, s in self._pushed.items() if v > version}
+            self._pending = None
+        self.sampler.update_params(state)
+        self._version = version
+
+    def _generate_across_hosts(self, prompts: list[Prompt], counts: list[int], longest: int) -> None:
+        """Generate every process's prompts as one batch and finish this process's groups. Each process sends
+        a fixed-size row: per prompt its length, tokens (padded to `longest`) and its G keys."""
+        g = self.config.grpo.group_size
+        width = 1 + longest + 2 * g
+        mine = np.zeros((self._rows, width), np.int32)
+        keys = self._sample_keys(prompts).reshape(len(prompts), 2 * g).view(np.int32) if prompts else None
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt.record["prompt_ids"], np.int32)
+            mine[i, 0], mine[i, 1:1 + len(ids)], mine[i, 1 + longest:] = len(ids), ids, keys[i]
+        rows = self.lockstep.gather(mine.reshape(-1)).reshape(len(counts), self._rows, width)
+        every = [row for p, n in enumerate(counts) for row in rows[p, :n]]
+        prompt_ids = [list(map(int, row[1:1 + row[0]])) for row in every for _ in range(g)]
+        all_keys = np.stack([row[1 + longest:] for row in every]).view(np.uint32).reshape(-1, 2)
+        version = self._version
+        start = time.perf_counter()
+        result = self.sampler.generate(prompt_ids, all_keys)
+        self.generate_seconds += time.perf_counter() - start
+        if self._stop.is_set() or not prompts:
+            return  # abandoned (the run's end accounts for them), or this round generated only other hosts' rows
+        first = sum(counts[:jax.process_index()]) * g  # this process's rows
+        self._finish_static(prompts, result, version, first)
 
     def _admit(self) -> list[Prompt]:
         """Prompts to generate now, each with a buffer slot reserved at the current weight version: those sent
@@ -314,12 +398,17 @@ class Actor:
         self.generate_seconds += time.perf_counter() - start
         if self._stop.is_set():
             return  # abandoned: these prompts stay unfinished and the run's end accounts for them
-        rows = [range(i * g, (i + 1) * g) for i in range(len(good))]
-        self._finish(good, [GroupResult(
+        self._finish_static(good, result, version, 0)
+
+    def _finish_static(self, prompts: list[Prompt], result, version: int, first: int) -> None:
+        """Finish `prompts` from a static generate, whose rows first, first + 1, ... are theirs (G per prompt)."""
+        g = self.config.grpo.group_size
+        rows = [range(first + i * g, first + (i + 1) * g) for i in range(len(prompts))]
+        self._finish(prompts, [GroupResult(
             tag=prompt, tokens=[result.tokens[j, :result.lengths[j]] for j in rows[i]],
             logprobs=[result.logprobs[j, :result.lengths[j]] for j in rows[i]],
             versions=[np.full(result.lengths[j], version, np.int32) for j in rows[i]],
-            finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(good)])
+            finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(prompts)])
 
     def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
         """Score finished groups and put each into the buffer, or drop it with its reason."""

@@ -156,8 +156,7 @@ class Config:
     def actor_across_hosts_problems(self) -> list[str]:
         """What this config asks of an actor whose mesh spans hosts (sharding.cut_devices) that such an actor
         does not do, as 'key=value: fix' strings. Such an actor is one sampler for every host's prompts, its
-        programs run by all hosts together, one batch at a time (grpo-jax compile lays it out and sizes it;
-        the trainer does not run it yet)."""
+        programs run by all hosts together, one batch at a time (actor.Actor's lockstep rounds)."""
         problems = []
         if self.sampler.engine != "static":
             problems.append(f"sampler.engine={self.sampler.engine!r}: an actor mesh across hosts samples with the "

@@ -22,6 +22,10 @@ Design:
 - The decode loop runs in `decode_phases` loops over a growing KV cache, so attention reads only the
   filled part of the cache plus at most one phase (see _generate_impl).
 - Rows are split over `decode_streams` concurrent executions of the same program (see SamplerConfig).
+- Weights on a mesh that spans hosts (an actor across hosts, sharding.cut_devices): every process calls
+  generate with the same prompts and keys (every host's rows), in the same order as its other calls; the
+  rows are split over the mesh's data x fsdp devices, the streams run one after the other (concurrent
+  collective programs could start in a different order on each host), and every process gets all rows back.
 
 Batch independence is about the randomness: float results of XLA's kernels can differ in the last bits
 between batch shapes or paddings, which can flip a draw that lands within rounding of a CDF boundary
@@ -257,6 +261,10 @@ class Sampler:
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
         self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
         self._compiled: set = set()
+        # An actor across hosts (see the module docstring): rows over data x fsdp, every result row fetched.
+        leaf = jax.tree.leaves(self.state)[0]
+        self.across_hosts = not leaf.sharding.is_fully_addressable
+        self._mesh = leaf.sharding.mesh if self.across_hosts else None
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
                                                            thread_name_prefix="sampler")
 
@@ -332,12 +340,19 @@ class Sampler:
                 mask[r, plen - lens[i]:] = True
             mask[len(rows):, -1] = True  # dummy rows: one real (pad) token, so no row attends to nothing
             row_keys = keys[np.concatenate([rows, np.full(batch - len(rows), rows[0])])]
-            out = self._generate(state, head, tokens, mask, np.arange(batch) < len(rows), row_keys, *scalars,
-                                 adapters=adapters, **static)
+            live = np.arange(batch) < len(rows)
+            if self.across_hosts:
+                tokens, mask, live, row_keys = self._global_rows(tokens, mask, live, row_keys)
+            out = self._generate(state, head, tokens, mask, live, row_keys, *scalars, adapters=adapters, **static)
+            if self.across_hosts:
+                from jax.experimental import multihost_utils
+                out = multihost_utils.process_allgather(out, tiled=True)
             return [x[:len(rows)] for x in jax.device_get(out)]
 
         key = (batch, plen, tuple(static.items()))
-        if key not in self._compiled:  # compile once, before any concurrent call could trace it again
+        if self.across_hosts:  # one stream after the other, in the same order on every host
+            outs = [run(c) for c in chunks]
+        elif key not in self._compiled:  # compile once, before any concurrent call could trace it again
             outs = [run(chunks[0])]
             self._compiled.add(key)
             outs += list(self._pool.map(run, chunks[1:]))
@@ -348,6 +363,21 @@ class Sampler:
         return SampleResult(
             tokens=out_tokens[:, :max_new], logprobs=out_lp[:, :max_new], lengths=lengths,
             finish_reasons=["stop" if s else "length" for s in stopped], prompt_lengths=lens)
+
+    def _global_rows(self, tokens, mask, live, keys) -> tuple:
+        """The batch (the same on every process) as global arrays on the mesh that spans hosts: rows split over
+        data x fsdp when they divide evenly (the same split as the weights' fsdp), else every device holds
+        them all. Each process places only the rows its own devices hold."""
+        from jax.sharding import NamedSharding, PartitionSpec
+        splits = self._mesh.shape["data"] * self._mesh.shape["fsdp"]
+        spec = PartitionSpec(("data", "fsdp")) if len(live) % splits == 0 else PartitionSpec()
+        sharding = NamedSharding(self._mesh, spec)
+
+        def placed(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return (placed(tokens), placed(mask), placed(live),
+                jax.random.wrap_key_data(placed(jax.random.key_data(keys))))
 
     def _generate_impl(self, state, head, tokens, mask, live, keys, max_new, temperature, top_p, adapters=None,
                        *, new_bucket, greedy, top_k, use_top_p):

@@ -25,7 +25,6 @@ save, and exit with EXIT_PREEMPTED; a second signal exits at once.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -102,20 +101,26 @@ def split_devices(config: Config) -> DeviceCut:
     when mesh.actor_devices is 0.
 
     Several processes (hosts): every host is cut the same way. The actor gets the first actor_devices of
-    each host's own devices and samples there on its own (one sampler per host, no cross-host traffic); the
-    learner gets the rest of every host's devices, as one mesh spanning all hosts. An actor mesh across
-    hosts is laid out and sized by `grpo-jax compile` but not run by the trainer yet: refused here."""
+    each host's own devices: one sampler per host, no cross-host traffic, when mesh.actor fits them; one
+    actor mesh across all hosts' actor devices when it only fits those together (a model whose sampler does
+    not fit one host). The learner gets the rest of every host's devices, as one mesh spanning all hosts."""
     try:
         cut = cut_devices(by_process(jax.devices()), config.mesh.actor_devices, config.mesh.actor,
                           this_host=jax.process_index())
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if cut.actor_spans_hosts:
+    if cut.actor_spans_hosts and config.actor_across_hosts_problems():
+        raise ConfigError("; ".join(config.actor_across_hosts_problems()))
+    per_host = len(cut.actor) // jax.process_count(), len(cut.learner) // jax.process_count()
+    if cut.actor_spans_hosts and jax.default_backend() == "cpu" and min(per_host) > 1:
+        # Seen with 2 processes (2 actor + 2 learner devices each, or 2 + 3): both programs stop at their first
+        # collective and never return. One side with one device per process runs (tests/test_multiprocess.py).
         raise ConfigError(
-            f"mesh.actor {dataclasses.asdict(config.mesh.actor)}: needs {len(cut.actor)} devices, more than one host's "
-            f"{len(cut.actor) // jax.process_count()} actor device(s), so it would span hosts; grpo-jax compile "
-            "lays such an actor out, but the trainer does not run one yet. Use a mesh.actor that fits one host's "
-            "mesh.actor_devices (every host then samples with its own copy)")
+            f"mesh.actor_devices={config.mesh.actor_devices}: an actor mesh across hosts on the CPU backend needs one "
+            f"device per process on the actor's or on the learner's side (here {per_host[0]} and {per_host[1]}): "
+            "XLA's CPU client deadlocks when the actor's and the learner's programs, each over several devices "
+            "of every process, run at once (a limit of the CPU client). Use mesh.actor_devices=1, or one learner "
+            "device per process")
     return cut
 
 
@@ -244,15 +249,20 @@ class Trainer:
         self.local_prompts = config.grpo.prompts_per_step // self.processes  # this process's groups per step
         cut = split_devices(config)
         learner_devices = cut.learner
+        self.actor_spans_hosts = cut.actor_spans_hosts
         try:
             self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
-            self.actor_mesh = make_mesh(config.mesh.actor, cut.actor)
+            self.actor_mesh = make_mesh(config.mesh.actor, cut.actor, tensor_across_hosts=cut.actor_spans_hosts)
         except ValueError as e:
-            raise ConfigError(f"mesh: {e} (actor: {len(cut.actor)} device(s)"
-                              f"{' on this host' if self.processes > 1 else ''}, learner: {len(learner_devices)})") from e
+            where = " across hosts" if cut.actor_spans_hosts else " on this host" if self.processes > 1 else ""
+            raise ConfigError(f"mesh: {e} (actor: {len(cut.actor)} device(s){where}, "
+                              f"learner: {len(learner_devices)})") from e
         problem = batch_split_problem(self.learner_mesh, self.processes, self.local_prompts * config.grpo.group_size)
         if problem:
             raise ConfigError(problem)
+        if cut.actor_spans_hosts:
+            logger.info("actor: one mesh across %d hosts, %s over %d devices; every host's prompts sampled as one "
+                        "batch", self.processes, dict(self.actor_mesh.shape), len(cut.actor))
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         reference, adapters = None, None
@@ -327,7 +337,8 @@ class Trainer:
                                       slots=self.local_prompts * grpo.group_size, version=self.version)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards,
-                           self.base_key, version=self.version)
+                           self.base_key, version=self.version,
+                           lockstep=HostAgreement(cut.actor) if cut.actor_spans_hosts else None)
         if eval_records is not None:
             # Its own reward suite, so eval timeouts stay out of the training reward metrics.
             evaluator = Evaluator(config, self.tokenizer, eval_records,
@@ -658,7 +669,8 @@ class Trainer:
         self.actor.push_weights(state, self.version)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))  # as sent: in the compute dtype when narrower
         metrics = {"sync/seconds": seconds, "sync/bytes": nbytes}
-        if self.processes > 1 and self.config.trainer.check_replicas:
+        # One actor per host: every host's copy must be the same. (Across hosts there is one copy.)
+        if self.processes > 1 and self.config.trainer.check_replicas and not self.actor_spans_hosts:
             digests = self.agreement.gather([replica_digest(state)])[:, 0].tolist()
             metrics["replica_digests"] = digests
             if len(set(digests)) > 1:

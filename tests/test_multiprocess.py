@@ -26,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices: int) -> list[subprocess.Popen]:
+def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices: int,
+              overrides=()) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for index in range(processes):
@@ -38,7 +39,7 @@ def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices
                    "--run-dir", str(run_dir), *FAST, f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=1",
                    "checkpoint.every_steps=2", "trainer.tensorboard=false", f"mesh.actor_devices={actor_devices}",
                    "trainer.check_replicas=true", "distributed.heartbeat_timeout_s=10",
-                   "distributed.initialization_timeout_s=120", "distributed.shutdown_timeout_s=10"]
+                   "distributed.initialization_timeout_s=120", "distributed.shutdown_timeout_s=10", *overrides]
         log = open(run_dir.parent / f"process{index}.log", "ab")
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     return procs
@@ -75,14 +76,24 @@ def exit_codes(procs, timeout: float) -> list[int]:
     return codes
 
 
-@pytest.mark.parametrize("processes, devices, actor_devices", [(2, 4, 2), (4, 2, 1)])
-def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_path, processes, devices, actor_devices):
+# One actor per host (its mesh fits a host's actor devices), then one actor mesh across hosts: fsdp over both
+# hosts' 2 actor devices each, and tensor over 4 hosts' 1 each (the static sampler: one batch of all hosts' prompts).
+ACROSS_HOSTS = ("sampler.engine=static",)
+LAYOUTS = [(2, 4, 2, ()), (4, 2, 1, ()),
+           (2, 3, 2, ("mesh.actor.fsdp=4", *ACROSS_HOSTS)), (4, 2, 1, ("mesh.actor.tensor=4", *ACROSS_HOSTS))]
+
+
+@pytest.mark.parametrize("processes, devices, actor_devices, overrides", LAYOUTS,
+                         ids=["2-hosts", "4-hosts", "2-hosts-actor-fsdp-across", "4-hosts-actor-tensor-across"])
+def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_path, processes, devices, actor_devices,
+                                                                         overrides):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    across = bool(overrides)
 
     if processes == 2:
         # SIGTERM to one process: every process stops after the same step, with one checkpoint, exit 75.
-        procs = start_all(run_dir, processes, devices, actor_devices)
+        procs = start_all(run_dir, processes, devices, actor_devices, overrides)
         wait_lines(run_dir, procs, "train", 3)
         procs[-1].send_signal(signal.SIGTERM)
         assert exit_codes(procs, 120) == [75] * processes
@@ -91,14 +102,14 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
 
     # SIGKILL to one process once this start has committed a checkpoint: the others stop (JAX's
     # heartbeat) instead of hanging, and the resume goes back to that checkpoint.
-    procs = start_all(run_dir, processes, devices, actor_devices)
+    procs = start_all(run_dir, processes, devices, actor_devices, overrides)
     wait_lines(run_dir, procs, "checkpoint", 1)
     procs[1].kill()
     codes = exit_codes(procs, 90)
     assert all(code != 0 for code in codes), codes
 
     # Resume and run to the end.
-    procs = start_all(run_dir, processes, devices, actor_devices)
+    procs = start_all(run_dir, processes, devices, actor_devices, overrides)
     assert exit_codes(procs, 600) == [0] * processes, (tmp_path / "process0.log").read_text()[-3000:]
 
     audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
@@ -111,10 +122,26 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if r.get("kind") != "eval"]  # the learner-step lines
     assert max(r["step"] for r in rows) == MAX_STEPS
-    for row in rows:  # every process held the same weights after every step
-        assert len(row["replica_digests"]) == processes and len(set(row["replica_digests"])) == 1, row["step"]
+    log = (tmp_path / "process0.log").read_text()
+    assert ("actor: one mesh across" in log) == across
+    for row in rows:  # every process held the same weights after every step (across hosts: one copy, none to compare)
+        if across:
+            assert "replica_digests" not in row
+        else:
+            assert len(row["replica_digests"]) == processes and len(set(row["replica_digests"])) == 1, row["step"]
     # Ordinals are global: the processes' trained ordinals never overlap and each is its own residue class.
     for i in range(processes):
         lines = [json.loads(x) for x in (run_dir / f"events.process{i}.jsonl").read_text().splitlines()]
         ordinals = [o for line in lines if line["event"] == "train" for o in line["ordinals"]]
         assert ordinals and all(o % processes == i for o in ordinals)
+
+
+def test_an_actor_across_hosts_with_several_devices_per_process_on_both_sides_is_refused_on_cpu(tmp_path):
+    # 2 actor + 2 learner devices per process: XLA's CPU client deadlocks running both programs at once.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = start_all(run_dir, 2, 4, 2, ("mesh.actor.fsdp=4", *ACROSS_HOSTS))
+    assert exit_codes(procs, 120) == [2, 2]
+    for index in range(2):
+        lines = [x for x in (tmp_path / f"process{index}.log").read_text().splitlines() if "error" in x]
+        assert len(lines) == 1 and "needs one device per process on the actor's or on the learner's side" in lines[0]
