@@ -125,16 +125,17 @@ def by_process(devices) -> np.ndarray:
 
 
 class HostAgreement:
-    """Gathers a small int32 vector from every process, over the learner's devices (so it never queues
-    behind the actor's sampling on the actor's devices). One process: no JAX at all."""
+    """Gathers a small int32 vector from every process, over the given devices of every process: the
+    learner's for the trainer's agreements (so they never queue behind the actor's sampling), the actor's
+    for an actor mesh across hosts (its lockstep rounds). One process: no JAX at all."""
 
-    def __init__(self, learner_devices):
+    def __init__(self, devices):
         self.processes = jax.process_count()
         if self.processes == 1:
             return
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        mesh = Mesh(by_process(learner_devices), ("process", "local"))
+        mesh = Mesh(by_process(devices), ("process", "local"))
         self.row_sharding = NamedSharding(mesh, PartitionSpec("process"))  # row p lives on process p
         self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -402,22 +403,29 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
 
 
 def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
-                  max_shard_bytes: int | None = None, dtype: str | None = None) -> None:
+                  max_shard_bytes: int | None = None, dtype: str | None = None,
+                  fetch: Callable[[jax.Array], np.ndarray] = jax.device_get, write: bool = True) -> None:
     """Write a checkpoint that transformers' AutoModelForCausalLM.from_pretrained (and load_hf_model) reads.
 
     Weights are written in `dtype` ("float32" or "bfloat16"; None: the model's param_dtype, rounded to
     nearest when narrowing), and config.json names that dtype. With max_shard_bytes they are split into
     model-0000i-of-0000n.safetensors + model.safetensors.index.json (a single shard is written as
     model.safetensors). Old weight files in the directory are removed first so they cannot be mixed in.
+    config.json is written last: a directory without it is an export cut short.
+
+    `fetch` brings one weight to the host; the weights are fetched one at a time, in a fixed order, so host
+    memory holds one shard. Weights sharded over several processes: every process calls this with a fetch
+    that all of them must join (a gather), and all but the writing one pass write=False (fetch only).
     """
     dtype = dtype or model.config.param_dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: allowed {sorted(DTYPES)}")
     cfg = dataclasses.replace(model.config, param_dtype=dtype)  # config.json names the dtype written
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
+    if write:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+            old.unlink(missing_ok=True)
 
     params = param_dict(model)
     itemsize = np.dtype(DTYPES[cfg.param_dtype]).itemsize
@@ -435,8 +443,8 @@ def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokeni
     def hf_array(entry: _Entry) -> np.ndarray:
         if entry.ours is None:
             return np.zeros(entry.hf_shape, DTYPES[cfg.param_dtype])
-        # device_get one tensor at a time so host memory holds one shard, not the whole model twice.
-        array = np.asarray(jax.device_get(params[entry.ours])).astype(DTYPES[cfg.param_dtype], copy=False)
+        # One tensor at a time so host memory holds one shard, not the whole model twice.
+        array = np.asarray(fetch(params[entry.ours])).astype(DTYPES[cfg.param_dtype], copy=False)
         return _to_hf(entry, array)
 
     names = [WEIGHTS_FILE] if len(shards) == 1 else \
@@ -444,10 +452,14 @@ def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokeni
     weight_map, total = {}, 0
     for file_name, entries in zip(names, shards):
         tensors = {e.hf_name: hf_array(e) for e in entries}
+        if not write:
+            continue
         save_file(tensors, path / file_name)
         for e in entries:
             weight_map[e.hf_name] = file_name
             total += tensors[e.hf_name].nbytes
+    if not write:
+        return
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.model import positions_from_mask
 
@@ -345,7 +347,6 @@ class Sampler:
                 tokens, mask, live, row_keys = self._global_rows(tokens, mask, live, row_keys)
             out = self._generate(state, head, tokens, mask, live, row_keys, *scalars, adapters=adapters, **static)
             if self.across_hosts:
-                from jax.experimental import multihost_utils
                 out = multihost_utils.process_allgather(out, tiled=True)
             return [x[:len(rows)] for x in jax.device_get(out)]
 
@@ -368,7 +369,6 @@ class Sampler:
         """The batch (the same on every process) as global arrays on the mesh that spans hosts: rows split over
         data x fsdp when they divide evenly (the same split as the weights' fsdp), else every device holds
         them all. Each process places only the rows its own devices hold."""
-        from jax.sharding import NamedSharding, PartitionSpec
         splits = self._mesh.shape["data"] * self._mesh.shape["fsdp"]
         spec = PartitionSpec(("data", "fsdp")) if len(live) % splits == 0 else PartitionSpec()
         sharding = NamedSharding(self._mesh, spec)

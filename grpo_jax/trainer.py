@@ -277,7 +277,7 @@ class Trainer:
         self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
         self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
         self.agreement = HostAgreement(learner_devices)
-        self._replicate = None  # the final model's export gathers whole weights (a sync never does)
+        self._replicate = None  # the final model's export gathers one weight at a time (a sync never does)
         if self.processes > 1:
             self._replicate = jax.jit(lambda tree: tree, out_shardings=self.replicated)
         # The actor gets (and keeps) the weights in the compute dtype when it is narrower than param_dtype.
@@ -753,22 +753,22 @@ class Trainer:
         in PEFT's format (for peft.PeftModel.from_pretrained on the base)."""
         cfg = self.config
         model, adapters = self.learner.model(), self.learner.adapters()
-        if self._replicate is not None:
-            # Sharded across hosts: every process joins the gather onto each learner device, then process 0
-            # writes its local copy.
-            def local_copy(module):
-                graphdef, state = nnx.split(module)
-                return nnx.merge(graphdef, jax.tree.map(lambda x: x.addressable_data(0), self._replicate(state)))
-            model = local_copy(model)
-            adapters = None if adapters is None else local_copy(adapters)
-        if self.process_index == 0:
-            from grpo_jax.hf import checkpoint_config, save_hf_model
-            # Default: the dtype the weights came in (the checkpoint's, or param_dtype from scratch).
-            export_dtype = cfg.trainer.export_dtype or (
-                checkpoint_config(cfg.model_path).param_dtype if cfg.model_path else cfg.model.param_dtype)
-            save_hf_model(model, self.run_dir / "final_model", tokenizer=self.tokenizer, dtype=export_dtype)
-            if adapters is not None:
-                save_peft_adapter(adapters, model.config, self.run_dir / "final_adapter", base_model_path=cfg.model_path)
+        def gathered(leaf) -> np.ndarray:
+            return np.asarray(self._replicate(leaf).addressable_data(0))
+        # Sharded across hosts: every process joins the gather of each weight in turn (one weight whole on a
+        # device at a time, never the model), and process 0 writes. The adapters are small: gathered at once.
+        fetch = jax.device_get if self._replicate is None else gathered
+        if self._replicate is not None and adapters is not None:
+            graphdef, state = nnx.split(adapters)
+            adapters = nnx.merge(graphdef, jax.tree.map(fetch, state))
+        from grpo_jax.hf import checkpoint_config, save_hf_model
+        # Default: the dtype the weights came in (the checkpoint's, or param_dtype from scratch).
+        export_dtype = cfg.trainer.export_dtype or (
+            checkpoint_config(cfg.model_path).param_dtype if cfg.model_path else cfg.model.param_dtype)
+        save_hf_model(model, self.run_dir / "final_model", tokenizer=self.tokenizer, dtype=export_dtype, fetch=fetch,
+                      write=self.process_index == 0)
+        if adapters is not None and self.process_index == 0:
+            save_peft_adapter(adapters, model.config, self.run_dir / "final_adapter", base_model_path=cfg.model_path)
 
     def _train_loop(self, writer: MetricsWriter) -> list[dict]:
         cfg = self.config

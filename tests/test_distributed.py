@@ -52,6 +52,6 @@ def test_an_incomplete_explicit_start_up_is_a_clear_error(monkeypatch, env, mess
 
 
 def test_one_process_agreement_needs_no_collective():
-    agreement = HostAgreement(learner_devices=[])
+    agreement = HostAgreement(devices=[])
     assert agreement.gather([3, 1]).tolist() == [[3, 1]]
     assert np.asarray(agreement.gather([True, False])).any(axis=0).tolist() == [True, False]

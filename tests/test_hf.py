@@ -185,6 +185,24 @@ def test_export_sharded_and_bfloat16(loaded, tmp_path):
     assert tok3 is None and back.config.param_dtype == "bfloat16"
 
 
+def test_export_fetches_each_weight_once_in_the_same_order_and_writes_only_when_asked(loaded, tmp_path):
+    # As on several processes: every process fetches (a gather all must join), only one writes.
+    model, tok = loaded["qwen2_untied"]
+    orders = []
+    for write in (True, False):
+        fetched = []
+        def fetch(x):
+            fetched.append(x.shape)
+            return jax.device_get(x)
+        save_hf_model(model, tmp_path / str(write), tokenizer=tok, max_shard_bytes=40_000, fetch=fetch, write=write)
+        orders.append(fetched)
+    assert orders[0] == orders[1] and len(orders[0]) == len(param_dict(model))
+    assert not (tmp_path / "False").exists()
+    again, _ = load_hf_model(tmp_path / "True")
+    for key, value in param_dict(model).items():
+        np.testing.assert_array_equal(np.asarray(param_dict(again)[key]), np.asarray(value))
+
+
 def _weight_dtypes(path) -> set[str]:
     """The dtypes in every safetensors header of a checkpoint directory (e.g. {"BF16"})."""
     return {info["dtype"] for file in path.glob("*.safetensors")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from test_trainer import FAST, REPO
@@ -124,6 +125,11 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
     assert max(r["step"] for r in rows) == MAX_STEPS
     log = (tmp_path / "process0.log").read_text()
     assert ("actor: one mesh across" in log) == across
+    # Written by process 0 from weights gathered one at a time by all processes: loadable, finite.
+    from grpo_jax.hf import load_hf_model
+    from grpo_jax.model import param_dict
+    final, _ = load_hf_model(run_dir / "final_model")
+    assert all(np.isfinite(np.asarray(w)).all() for w in param_dict(final).values())
     for row in rows:  # every process held the same weights after every step (across hosts: one copy, none to compare)
         if across:
             assert "replica_digests" not in row
