@@ -151,3 +151,17 @@ def test_an_actor_across_hosts_with_several_devices_per_process_on_both_sides_is
     for index in range(2):
         lines = [x for x in (tmp_path / f"process{index}.log").read_text().splitlines() if "error" in x]
         assert len(lines) == 1 and "needs one device per process on the actor's or on the learner's side" in lines[0]
+
+
+def test_an_actor_across_hosts_accounts_for_every_prompt_when_the_data_runs_out(tmp_path):
+    # Rounds where only some hosts still have prompts: the others generate with them and finish nothing.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = start_all(run_dir, 2, 3, 2, ("mesh.actor.fsdp=4", *ACROSS_HOSTS, "data.num_epochs=1",
+                                         "data.synthetic_size=30", "trainer.max_steps=50"))
+    assert exit_codes(procs, 300) == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
+    assert "data exhausted after" in (tmp_path / "process0.log").read_text()
+    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert "prompts handed out:   30" in audit.stdout and "lost:                 0" in audit.stdout
+    assert "trained twice:        0" in audit.stdout and "run_ended" not in audit.stdout
