@@ -696,6 +696,35 @@ def sampler_program(config: Config, model_config: ModelConfig, layout: Layout, t
                    whole.seconds + steps.seconds, "", hints, cost_note=steps.note, actor=True)
 
 
+def eval_program(config: Config, model_config: ModelConfig, layout: Layout, topology: Topology, learner_held: int,
+                 engine_chunk: Program | None) -> Program:
+    """Evaluation during training (eval.every_steps): the static sampler's generate on the actor's devices, at
+    the evaluator's shapes (Evaluator: the actor's usual rows per call, eval.max_new_tokens, eval.temperature).
+    With the continuous engine it runs while the engine's slots stay in flight (Engine.generate's static
+    fallback), so the engine's banks are held beside it. Not part of the step: calls are per evaluation."""
+    ev = config.eval
+    sampler = dataclasses.replace(config.sampler, max_new_tokens=ev.max_new_tokens or config.sampler.max_new_tokens,
+                                  temperature=ev.temperature)
+    generate = sampler_program(dataclasses.replace(config, sampler=sampler), model_config, layout, topology,
+                               learner_held)
+    held, held_what = generate.held, generate.held_what
+    if engine_chunk is not None and engine_chunk.memory is not None:
+        # The engine's arguments besides the weights they share (its slot state), and what it holds besides.
+        weights = shard_bytes(actor_params(model_config, layout.actor_mesh)[1])
+        held = engine_chunk.held + engine_chunk.memory.arguments - weights
+        held_what = f"the engine's slots in flight, {engine_chunk.held_what}"
+    rows = ev.num_prompts * (1 + ev.samples) if ev.num_prompts else 0  # 0: all held-out prompts, unknown here
+    per_call = actor_rows(config, layout)
+    calls = -(-rows // per_call) * generate.calls_per_step
+    note = (f"{calls} call(s) per evaluation ({ev.num_prompts} prompts x (1 greedy + {ev.samples} sampled), "
+            f"{per_call} rows per generate); not in the step projection") if rows else \
+        "eval.num_prompts=0 (every held-out prompt): calls per evaluation unknown here"
+    hints = (f"eval.every_steps=0 (now {ev.every_steps}: evaluate RUN_DIR/final_model with grpo-jax eval after "
+             "training instead)", *generate.hints)
+    return dataclasses.replace(generate, name="eval generate", held=held, held_what=held_what, calls_per_step=calls,
+                               actor=False, hints=hints, notes=(*generate.notes, note))
+
+
 class _AbstractSampler(Sampler):
     """A Sampler over abstract weights (jax.ShapeDtypeStructs with their shardings, as nnx.eval_shape and
     actor_params give them): its vocab-major head is a shape too. Built outside any trace, so that the Sampler
@@ -1281,6 +1310,9 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
             actor = engine_programs(config, model, layout, topology, setup, sum(learner_state.values()))
         else:
             actor = [sampler_program(config, model, layout, topology, sum(learner_state.values()))]
+        if config.eval.every_steps:
+            chunk = next((p for p in actor if p.name == "engine chunk"), None) if setup is not None else None
+            actor.append(eval_program(config, model, layout, topology, sum(learner_state.values()), chunk))
         stage, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora, actor_what)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)

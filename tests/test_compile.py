@@ -70,7 +70,10 @@ def spanning():
 
 @pytest.fixture(scope="module")
 def engine_one_host():
-    return compile_run(tiny_engine(), "v5e:2x2", isolate=False)
+    return compile_run(tiny_engine(*EVAL), "v5e:2x2", isolate=False)
+
+
+EVAL = ["eval.every_steps=5", "eval.num_prompts=6", "eval.samples=3", "eval.max_new_tokens=12"]
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +274,8 @@ def test_shape_files_describe_the_public_models_without_weights(name):
 
 def test_continuous_engine_compiles_on_one_host(engine_one_host):
     report = engine_one_host
-    assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize"]
+    assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize",
+                                                 "eval generate"]
     weights = param_bytes(tiny_engine())
     for program in report.programs:
         assert program.memory is not None and not program.refusal
@@ -293,6 +297,25 @@ def test_continuous_engine_compiles_on_one_host(engine_one_host):
     text = format_report(report)
     for words in ("engine chunk", "engine admission", "banks of 32, 16, 8 slots", "projected step"):
         assert words in text
+
+
+def test_evaluation_during_training_is_compiled_beside_the_engines_slots(engine_one_host):
+    # With the continuous engine an evaluation runs on the static sampler while the engine's slots stay in flight.
+    report = engine_one_host
+    chunk, evaluation = report.program("engine chunk"), report.program("eval generate")
+    assert not evaluation.actor and evaluation.memory is not None and evaluation.total < report.topology.hbm_bytes
+    weights = param_bytes(tiny_engine()) // 2  # the actor's (float32) weights, split over tensor 2 (norms whole)
+    slots = chunk.memory.arguments - weights  # the engine's arguments besides the weights the static sampler shares
+    assert slots > 0 and evaluation.held == pytest.approx(chunk.held + slots, rel=0.01)
+    assert evaluation.held_what.startswith("the engine's slots in flight")
+    # 6 prompts x (1 greedy + 3 sampled) = 24 rows: one call of the actor's usual 32 rows.
+    assert evaluation.calls_per_step == 1
+    # Its program decodes eval.max_new_tokens=12 tokens, not the sampler's 8: more FLOPs than one chunk of 4 steps.
+    assert evaluation.cost.flops > chunk.cost.flops
+    step = report.step  # not part of the step
+    assert step.actor_seconds == pytest.approx(2 * chunk.cost.seconds + report.program("engine admission").cost.seconds)
+    text = format_report(report)
+    assert "eval generate: held = the engine's slots in flight" in text and "1 call(s) per evaluation" in text
 
 
 def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
