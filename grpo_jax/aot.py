@@ -1311,7 +1311,7 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
         else:
             actor = [sampler_program(config, model, layout, topology, sum(learner_state.values()))]
         if config.eval.every_steps:
-            chunk = next((p for p in actor if p.name == "engine chunk"), None) if setup is not None else None
+            chunk = next((p for p in actor if p.name == "engine chunk"), None)
             actor.append(eval_program(config, model, layout, topology, sum(learner_state.values()), chunk))
         stage, transfers = sync_parts(model, layout, topology, learner_state, actor_bytes, config.lora, actor_what)
     finally:
