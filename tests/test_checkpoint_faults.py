@@ -93,16 +93,17 @@ def checkpoint_disk(tmp_path, monkeypatch):
     disk.unmount()
 
 
-def fill_after_commit(monkeypatch, disk: CheckpointDisk, step: int) -> None:
-    """Fill the checkpoint disk once `step` has committed and its ledger line is written."""
-    record = Trainer._record_commits
+def fill_before_writing(monkeypatch, disk: CheckpointDisk, step: int) -> None:
+    """Fill the checkpoint disk just before the save of `step` is written. The save before it has committed by
+    then (one save is in flight at a time), whether or not the trainer has polled it yet."""
+    write = Checkpoints._write
 
-    def record_then_fill(self, steps):
-        record(self, steps)
-        if step in steps:
+    def fill_then_write(self, saved_step, *args):
+        if saved_step == step:
             disk.fill()
+        return write(self, saved_step, *args)
 
-    monkeypatch.setattr(Trainer, "_record_commits", record_then_fill)
+    monkeypatch.setattr(Checkpoints, "_write", fill_then_write)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -114,7 +115,7 @@ def test_a_full_disk_mid_save_ends_in_one_line_and_the_rerun_resumes_exactly(tmp
     whole.train()
 
     run_dir = tmp_path / "run"
-    fill_after_commit(monkeypatch, checkpoint_disk, 1)
+    fill_before_writing(monkeypatch, checkpoint_disk, 2)
     with caplog.at_level(logging.INFO):
         code = cli.main(["train", TINY, "--run-dir", str(run_dir), *FAST, *overrides])
     gc.collect()  # Orbax's abandoned writes are collected here: none may print a traceback

@@ -26,9 +26,9 @@ GSM8K = str(REPO / "configs" / "gsm8k_qwen2_5.yaml")
 STEPS, EVERY = 40, 10
 # Synchronous (deterministic) training on two-digit copy from 40 rows (35 of the 100 possible prompts),
 # evaluated on 32 other prompts of seed 1. Correct: reward >= 0.5 (right length, at least one digit right).
-# The static sampler: the greedy-reward threshold below was set on its trajectory, and 40 steps at lr 3e-3
-# turn the continuous engine's last-bit differences in behaviour log-probs into another one (it draws the same
-# tokens; tests/test_engine.py).
+# The static sampler: the expected figures below come from its trajectory, and 40 steps at lr 3e-3 turn the
+# continuous engine's last-bit differences in behaviour log-probs into another one (it draws the same tokens;
+# tests/test_engine.py).
 SETTINGS = ["sampler.engine=static", "model.hidden_size=64", "model.intermediate_size=128", "grpo.group_size=8", "grpo.prompts_per_step=16",
             "grpo.max_staleness=0", "sampler.max_new_tokens=6", "sampler.min_batch_bucket=64",
             "optim.warmup_steps=0", "optim.decay_steps=0", "optim.lr=3e-3", "trainer.progress=false",
@@ -152,7 +152,12 @@ def test_a_trained_model_scores_higher_and_the_eval_command_reproduces_the_run(t
     print(f"held-out copy prompts, step 0 -> {STEPS}: reward {first['eval/reward/mean']:.3f} -> "
           f"{last['eval/reward/mean']:.3f}, pass@1 {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")
     assert last["eval/reward/mean"] > first["eval/reward/mean"] + 0.1, rows
-    assert last["eval/reward/greedy"] > first["eval/reward/greedy"] + 0.1, rows
+    # The greedy reward moves in coarse steps (one completion per prompt, each right or not), and how far 40
+    # steps take it depends on the machine's float rounding (XLA:CPU compiles for the host CPU): from -0.5 to
+    # above -0.4 on the machines this test was written on, to -0.45 on an AMD EPYC, and to 0.0 and 0.05 there
+    # with seeds 1 and 2. Only its direction is asserted; the sampled mean, over 4 completions per prompt,
+    # carries the margin (+0.29 to +0.38 in those three runs).
+    assert last["eval/reward/greedy"] > first["eval/reward/greedy"], rows
 
     # `grpo-jax eval` draws what the run drew: the untrained model (init-model, same seed) gives the step-0
     # row and final_model the last one.
