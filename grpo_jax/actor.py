@@ -21,9 +21,13 @@ Contract with the learner (grpo_jax.trainer):
   version the group was admitted with.
 - Every prompt it takes ends as a group in the buffer or as a drop in the ledger (bad_row, reward_error,
   overlong, zero_variance); prompts in flight when it is stopped stay unfinished, for the resume.
-- When the data is exhausted it closes the buffer for new prompts and stays, generating again the groups
-  that grow too stale before they are trained, until the learner stops it.
-- A failure closes the buffer with the error, so the learner stops with it instead of waiting.
+- When the data is exhausted it finishes the buffer (ReplayBuffer.finish: no new prompts) and stays: the groups
+  still in flight (the engine decodes a group over several chunks) finish and go to the buffer, the learner
+  trains them and then a short last step, and groups that grow too stale before they are trained are generated
+  again, until the learner stops it.
+- A failure closes the buffer with the error, so the learner stops with it instead of waiting. So do rewards
+  that keep failing: trainer.reward_error_handouts handouts in a row without a group to train end the actor
+  with a TrainerError naming the reward and its last error.
 - Random keys depend only on the run's base key, the prompt's global ordinal and its regeneration count.
 
 An actor whose mesh spans hosts (`lockstep`, sharding.cut_devices) is one sampler shared by every process:
@@ -39,9 +43,9 @@ Each process's ledger, ordinals, buffer and checkpoint state stay its own, exact
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -54,6 +58,7 @@ from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
 from grpo_jax.distributed import HostAgreement
 from grpo_jax.engine import Engine, GroupResult
+from grpo_jax.errors import TrainerError
 from grpo_jax.ledger import global_ordinal
 from grpo_jax.replay_buffer import Group, ReplayBuffer
 from grpo_jax.rewards import RewardSuite
@@ -73,6 +78,16 @@ def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Arra
 # Bad rows logged: the first BAD_ROWS_LOGGED, then every BAD_ROWS_LOG_EVERY-th (all are in the ledger).
 BAD_ROWS_LOGGED = 10
 BAD_ROWS_LOG_EVERY = 1000
+# Scoring calls whose failures are logged: the first REWARD_ERRORS_LOGGED, then every REWARD_ERRORS_LOG_EVERY-th.
+REWARD_ERRORS_LOGGED = 10
+REWARD_ERRORS_LOG_EVERY = 100
+# The longest reward error quoted in a drop's detail or the stop message.
+REWARD_ERROR_CHARS = 300
+
+
+def _one_line(text: str, limit: int = REWARD_ERROR_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Actor:
@@ -102,9 +117,12 @@ class Actor:
         self.generated_tokens = 0
         self.generate_seconds = 0.0
         self.failed_samples = 0
+        self.reward_error_calls = 0  # score() calls that failed a sample
+        self.reward_error_streak = 0  # groups in a row dropped as reward_error (see _stop_if_rewards_keep_failing)
+        self.last_reward_error: str | None = None  # the last such drop's detail
         self.bad_rows = 0
         self.first_bad_row: str | None = None  # "reason: detail (epoch e, dataset_index i)"
-        self._side_jobs: queue.SimpleQueue = queue.SimpleQueue()  # see submit_side_job
+        self._side_jobs: collections.deque[tuple[int, Callable[[int], None]]] = collections.deque()  # submit_side_job
         # Both jitted for one fixed shape, a handout of groups (padded): the engine finishes groups a few at a
         # time, and eager ops (or a program per group count) cost more host time than the rest of the bookkeeping.
         g = config.grpo.group_size
@@ -260,10 +278,10 @@ class Actor:
         back to be generated again first, else a new handout. [] when none may start."""
         prompts = self.collector.take_requeued()
         if not prompts and self.collector.exhausted:
-            # No new prompts: the learner may train a short last step. Stay, to generate again any group
-            # that grows too stale before it is trained (a prompt, not a run_ended drop).
-            if not self.buffer.closed:
-                self.buffer.close()
+            # No new prompts: the learner trains a short last step once the groups still reserved (in the engine,
+            # or generated again) have arrived. Stay, to finish those and to generate again any group that grows
+            # too stale before it is trained (a prompt, not a run_ended drop).
+            self.buffer.finish()
             return []
         room = self.buffer.admissible(self._version, self.config.trainer.max_steps)
         if room == 0:
@@ -281,8 +299,8 @@ class Actor:
         prompts = self.collector.handout(size)
         if size > len(prompts):
             self.buffer.release(size - len(prompts))
-            if not prompts and not self.buffer.closed:
-                self.buffer.close()  # the data ran out just now (see above)
+            if not prompts:
+                self.buffer.finish()  # the data ran out just now (see above)
         return prompts
 
     def _stream_one_chunk(self) -> None:
@@ -309,23 +327,25 @@ class Actor:
 
     # -- side jobs: work other than training groups that must run on the actor's devices (evaluation) --
 
-    def submit_side_job(self, job: Callable[[int], None]) -> None:
-        """Queue job(weight_version) to run on the actor thread between two generation calls, with the
-        weights the actor holds then (those of weight_version; any pushed before the call are adopted
-        first), so it shares the actor's devices without racing its sampler. Thread-safe; jobs run in the
-        order submitted. The actor generates nothing while a job runs; the learner goes on with the
-        groups already buffered. A job that raises fails the actor like any other error. Jobs still queued
-        when the actor stops are not run: a job that must finish is waited for before stop()."""
-        self._side_jobs.put(job)
+    def submit_side_job(self, job: Callable[[int], None], min_version: int = 0) -> None:
+        """Queue job(weight_version) to run on the actor thread between two generation calls, once the actor
+        holds weights of at least `min_version` (any pushed before the call are adopted first; weights the
+        engine holds back until its slots drain arrive then), so it shares the actor's devices without racing
+        its sampler. Thread-safe; jobs run in the order submitted, a job waiting for its weights holding back
+        those after it. The actor generates nothing while a job runs; the learner goes on with the groups
+        already buffered. A job that raises fails the actor like any other error. Jobs still queued when the
+        actor stops are not run: a job that must finish is waited for before stop()."""
         with self._cond:
+            self._side_jobs.append((int(min_version), job))
             self._cond.notify_all()
 
     def _run_side_jobs(self) -> None:
         while not self._stop.is_set():
-            try:
-                job = self._side_jobs.get_nowait()
-            except queue.Empty:
-                return
+            self._adopt_pending_weights()  # a job queued behind another may ask for weights pushed meanwhile
+            with self._cond:
+                if not self._side_jobs or self._side_jobs[0][0] > self._version:
+                    return
+                _, job = self._side_jobs.popleft()
             job(self._version)
 
     def _drop_bad_row(self, prompt: Prompt) -> None:
@@ -411,7 +431,8 @@ class Actor:
             finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(prompts)])
 
     def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
-        """Score finished groups and put each into the buffer, or drop it with its reason."""
+        """Score finished groups and put each into the buffer, or drop it with its reason. Stops the run when the
+        rewards keep failing (see _stop_if_rewards_keep_failing)."""
         cfg = self.config.grpo
         g = cfg.group_size
         lengths = [len(t) for r in results for t in r.tokens]
@@ -420,22 +441,27 @@ class Actor:
         records = [p.record["row"] for p in prompts for _ in range(g)]
         scored = self.rewards.score(records, texts, lengths)
         self.failed_samples += scored.num_failed
-        for error in scored.errors[:3]:
-            logger.warning("reward: %s", error)
+        self._log_reward_errors(scored)
         rewards = scored.rewards.reshape(len(prompts), g)
         valid = ~scored.failed.reshape(len(prompts), g)
         overlong = np.array([[reason == "length" for reason in r.finish_reasons] for r in results])
         advantages, zero_var = self._group_advantages(rewards, valid)
         for i, (prompt, result) in enumerate(zip(prompts, results)):
-            reason = None
+            reason = detail = None
             if valid[i].sum() < 2:
+                reason, detail = "reward_error", self._reward_error_detail(scored, slice(i * g, (i + 1) * g))
+            elif not np.isfinite(advantages[i]).all():
+                # Each reward fits float32 (RewardSuite checks), but the group's mean or spread does not.
                 reason = "reward_error"
+                detail = (f"the group's rewards ({rewards[i][valid[i]].min():.3g} .. {rewards[i][valid[i]].max():.3g}) "
+                          "are too large for float32 advantages")
             elif overlong[i].all():
                 reason = "overlong"
             elif cfg.filter_zero_variance and zero_var[i]:
                 reason = "zero_variance"
+            self._count_reward_errors(reason == "reward_error", detail)
             if reason:
-                self.collector.mark_dropped(prompt.ordinal, reason)
+                self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
                 self.buffer.release(1)
                 continue
             group = Group(
@@ -448,3 +474,50 @@ class Actor:
                         "zero_variance": bool(zero_var[i]), "token_versions": result.versions})
             self.collector.mark_finished(prompt.ordinal)
             self.buffer.put(group)
+        self._stop_if_rewards_keep_failing()
+
+    # -- rewards that fail --
+
+    def _log_reward_errors(self, scored) -> None:
+        """Log a score() call's failures: those of the first REWARD_ERRORS_LOGGED calls with failures, then of every
+        REWARD_ERRORS_LOG_EVERY-th (a reward that always fails must not flood the log; the metrics carry each
+        reward's failure rate, and the ledger each drop's detail)."""
+        if not scored.errors:
+            return
+        self.reward_error_calls += 1
+        n = self.reward_error_calls
+        if n <= REWARD_ERRORS_LOGGED or n % REWARD_ERRORS_LOG_EVERY == 0:
+            for error in scored.errors[:3]:
+                logger.warning("reward: %s [%d scoring calls with failures so far; logged: the first %d, then every "
+                               "%d-th]", error, n, REWARD_ERRORS_LOGGED, REWARD_ERRORS_LOG_EVERY)
+
+    @staticmethod
+    def _reward_error_detail(scored, rows: slice) -> str:
+        """Which reward functions failed samples of these rows, and how (the ledger's detail for the drop)."""
+        failing = [label for label, values in scored.per_function.items() if not np.isfinite(values[rows]).all()]
+        return _one_line("; ".join(f"{label}: {scored.function_errors.get(label, 'failed')}" for label in failing))
+
+    def _count_reward_errors(self, dropped_for_rewards: bool, detail: str | None) -> None:
+        """Count the groups in a row dropped as reward_error; any other outcome means the rewards work."""
+        if dropped_for_rewards:
+            self.reward_error_streak += 1
+            self.last_reward_error = detail
+        else:
+            self.reward_error_streak = 0
+
+    def _stop_if_rewards_keep_failing(self) -> None:
+        """Once trainer.reward_error_handouts handouts' worth of groups in a row were all dropped as reward_error, no
+        reward works well enough to train anything (a bug in the reward, a verifier that is down): stop the run with
+        one line naming the reward and its last error, instead of dropping the whole dataset epoch after epoch. The
+        error reaches the learner through the buffer, as an actor failure does; the thread then ends."""
+        handouts = self.config.trainer.reward_error_handouts
+        if not handouts or self.reward_error_streak < handouts * self._rows:
+            return
+        self.error = TrainerError(
+            f"stopped: none of the last {self.reward_error_streak} prompts could be trained, because the rewards "
+            "failed on their samples (a group needs 2 scored samples); last error: "
+            f"{self.last_reward_error}; fix the reward (each drop's detail in events.jsonl says how it failed), or "
+            f"raise trainer.reward_error_handouts (now {handouts} handouts of {self._rows} prompts; 0: never stop "
+            "for this)")
+        self.buffer.close(error=self.error)
+        self._stop.set()

@@ -517,7 +517,8 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
     opt_state = abstract_opt_state(optimizer, params, replicated)
     reference = params if config.loss.needs_reference and frozen is None else None
     step = make_train_step(graphdef, optimizer, config.loss, optim, graphdef if reference is not None else None,
-                           temperature=config.sampler.temperature, base_graphdef=base_graphdef)
+                           temperature=config.sampler.temperature, base_graphdef=base_graphdef,
+                           top_k=config.sampler.top_k, top_p=config.sampler.top_p)
     rows = grpo.prompts_per_step * grpo.group_size
     prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     completion = config.sampler.max_new_tokens
@@ -526,7 +527,8 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
     # As Learner._step jits it: parameters and moments donated, and returned with the shardings they came in.
     shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state), None, None)
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
-    whole = compile_one(jitted, (params, opt_state, batch, reference, frozen, dropout_key), topology,
+    step_index = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)  # sets the rate (Learner.step_arguments)
+    whole = compile_one(jitted, (params, opt_state, batch, reference, frozen, dropout_key, step_index), topology,
                         label="learner step")
 
     held, held_what = 0, ""
@@ -552,7 +554,8 @@ def learner_program(config: Config, model_config: ModelConfig, layout: Layout, t
             model, adapters = (nnx.merge(graphdef, p), None) if f is None else \
                 (nnx.merge(base_graphdef, f), nnx.merge(graphdef, p))
             return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len,
-                                  temperature=config.sampler.temperature or 1.0, adapters=adapters)[0]
+                                  temperature=config.sampler.temperature or 1.0, adapters=adapters,
+                                  top_k=config.sampler.top_k, top_p=config.sampler.top_p)[0]
 
         compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
                                label="learner step (a forward micro-batch alone, for its cost)")

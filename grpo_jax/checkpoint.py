@@ -18,11 +18,14 @@ Content checksums: each JSON item carries the SHA-256 of its own content (CHECKS
 processes each process's own state bytes end with theirs (seal_bytes); both are verified on restore.
 Steps written before checksums existed have none and load unchecked.
 
-Faults: only a step that is really damaged (a missing or truncated file, unparsable metadata, a checksum
-that does not match: `damage_in`) is set aside on resume; any other failure while reading one (a device
-out of memory, a storage error) stops the start and touches nothing. A save that fails (a full disk)
-raises one CheckpointError naming the step, the directory, the error and, for a full disk, the space a
-checkpoint needs; Orbax's own reports of a full disk from its writer threads are silenced.
+Faults: on resume, an error Orbax raises while reading a step is damage (a file missing, truncated or
+overwritten, reported in many ways), and so is a checksum that does not match (`damage_in`), unless it is
+a kind that says nothing about the step's files (`not_damage`: out of memory, permission, storage that is
+unavailable, full or failing, a deadline, the device runtime). A damaged step is set aside once an older
+step reads back; any other failure, and an error of our own code, stops the start and touches nothing.
+A save that fails (a full disk) raises one CheckpointError naming the step, the directory, the error and,
+for a full disk, the space a checkpoint needs; Orbax's own reports of a full disk from its writer threads
+are silenced.
 
 `Checkpoints.poll()` reports saves that have committed since the last call, so the trainer writes the
 ledger's `checkpoint` line only for a step that really is on disk.
@@ -127,9 +130,9 @@ def layout_difference(saved: dict, current: dict) -> str | None:
 
 
 class DamagedStep(Exception):
-    """Raised while reading a step whose content is not what was written: a checksum that does not match, a
-    meta item that is not a record of that step, state bytes that do not unpack. load_latest sets such a
-    step aside."""
+    """Raised while reading a step whose content is not what was written: an Orbax read that failed for a
+    reason other than not_damage() (its cause), a checksum that does not match, a meta item that is not a
+    record of that step, state bytes that do not unpack. load_latest sets such a step aside."""
 
 
 # -- content checksums ------------------------------------------------------------------------------
@@ -175,10 +178,26 @@ def unseal_bytes(data: np.ndarray, what: str) -> np.ndarray:
 
 # -- what an error says about a step ------------------------------------------------------------------
 
-# TensorStore (Orbax's array storage) starts its messages with a status. These three mean the stored bytes
-# are missing or are not what was written; the others (RESOURCE_EXHAUSTED, UNAVAILABLE, PERMISSION_DENIED,
-# DEADLINE_EXCEEDED, ...) say nothing about the step itself.
-_DAMAGE_STATUS = re.compile(r"^(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE): ")
+# Orbax and TensorStore report a missing, truncated or overwritten file of a step in many ways (NOT_FOUND,
+# DATA_LOSS, OUT_OF_RANGE, FAILED_PRECONDITION, INVALID_ARGUMENT, a bare Exception, a KeyError, a JSON error...),
+# so an error they raise while reading a step is damage unless it is one of these kinds, which say something
+# about this machine, its storage or its devices and nothing about the step's files.
+_NOT_DAMAGE_STATUS = {  # TensorStore's and XLA's status, at the start of their messages
+    "RESOURCE_EXHAUSTED": "out of a resource", "PERMISSION_DENIED": "a permission error",
+    "UNAUTHENTICATED": "a permission error", "UNAVAILABLE": "storage that is unavailable",
+    "DEADLINE_EXCEEDED": "a deadline exceeded", "CANCELLED": "a cancelled read", "ABORTED": "an aborted read",
+}
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_NOT_DAMAGE_ERRNO = {
+    errno.EACCES: "a permission error", errno.EPERM: "a permission error", errno.ENOSPC: "a full disk",
+    errno.EDQUOT: "a full disk quota", errno.EIO: "an I/O error of the storage", errno.ESTALE: "a stale file handle",
+    errno.ENOMEM: "out of memory", errno.EMFILE: "too many open files", errno.ENFILE: "too many open files",
+    errno.EAGAIN: "a resource temporarily unavailable", errno.EINTR: "an interrupted read",
+    errno.ETIMEDOUT: "storage that timed out", errno.ENOTCONN: "storage that is not connected",
+    errno.ECONNRESET: "storage that reset the connection", errno.EHOSTDOWN: "storage that is unavailable",
+    errno.ENOBUFS: "out of a resource",
+}
+_OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 _OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")  # TensorStore's note of the OS error beneath its status
 
 
@@ -190,37 +209,69 @@ def _causes(error: BaseException | None):
         error = error.__cause__
 
 
+def _linked(error: BaseException):
+    """`error` and every error linked to it: raised from it, raised while handling it, grouped in it."""
+    seen, pending = set(), [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        pending += [e.__cause__, e.__context__]
+        if isinstance(e, BaseExceptionGroup):
+            pending += e.exceptions
+
+
 def _one_line(error: BaseException, limit: int = 400) -> str:
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def _error_number(error: BaseException) -> int | None:
+    """The errno of this one error (an OSError, or TensorStore's os_error_code in its message), or None."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    found = _OS_ERROR_CODE.search(str(error))
+    return int(found.group(1)) if found else None
+
+
+def not_damage(error: BaseException) -> str | None:
+    """What `error`, raised while reading a step, is when it says nothing about the step's files: out of memory
+    or another resource, a permission error, storage that is unavailable, slow, full or failing (EIO, ESTALE),
+    a deadline, a cancelled read, an error of the device runtime; None otherwise. Every error linked to it
+    counts (causes, errors being handled, grouped errors): a good step set aside for a passing fault would
+    lose the newest checkpoint, while damage only waits for the fault to be gone."""
+    for e in _linked(error):
+        if isinstance(e, MemoryError) or _OUT_OF_MEMORY.search(str(e)):
+            return "out of memory"
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            return "an error of the device runtime"
+        kind = _NOT_DAMAGE_ERRNO.get(_error_number(e))
+        status = _STATUS.match(str(e))
+        kind = kind or (status and _NOT_DAMAGE_STATUS.get(status.group(1)))
+        if kind:
+            return kind
+    return None
+
+
 def damage_in(error: BaseException) -> str | None:
-    """Why `error`, raised while reading a step, shows that the step itself is damaged (a missing or
-    truncated file, unparsable metadata, a checksum that does not match); None when it shows nothing of
-    the kind (a device out of memory, a storage or permission error, a bug): that step must stay."""
+    """Why `error`, raised while reading a step, shows that the step itself is damaged (a DamagedStep among its
+    causes: an Orbax read that failed for a reason other than not_damage(), a checksum that does not match,
+    metadata that is not a record of that step); None when it does not (a not_damage() kind, or an error of
+    our own code, such as a bug): that step must stay."""
     for e in _causes(error):
         if isinstance(e, DamagedStep):
             return str(e)
-        if isinstance(e, FileNotFoundError):
-            return f"a file is missing ({_one_line(e)})"
-        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
-            return f"unparsable metadata ({type(e).__name__}: {_one_line(e)})"
-        if isinstance(e, KeyError) and "was not found in the checkpoint" in str(e):
-            return f"an item is missing ({_one_line(e)})"  # Orbax, for an item directory that is not there
-        if _DAMAGE_STATUS.match(str(e)):
-            return _one_line(e)
     return None
 
 
 def os_error_number(error: BaseException | None) -> int | None:
     """The errno beneath `error` (an OSError, or TensorStore's os_error_code), or None."""
     for e in _causes(error):
-        if isinstance(e, OSError) and e.errno:
-            return e.errno
-        found = _OS_ERROR_CODE.search(str(e))
-        if found:
-            return int(found.group(1))
+        number = _error_number(e)
+        if number:
+            return number
     return None
 
 
@@ -267,7 +318,9 @@ class _DropAbandonedIo:
     a traceback printed from another thread (sometimes only at garbage collection, sometimes after the
     failure itself was reported, so no flag set on failure could tell them apart in time):
     - completions handed to a closed event loop (see _into_a_closed_loop), after any failure;
-    - once the disk has filled, the coroutines of Orbax's writes collected unfinished.
+    - once the disk has filled, the coroutines of Orbax's writes collected unfinished;
+    - Orbax's reads left unfinished after another read failed, closed when collected (Orbax wraps the
+      GeneratorExit that closes them in an Exception of its own).
     Everything else goes to the hook that was there before. (It keeps what it needs on itself: some arrive
     while the interpreter shuts down.)"""
 
@@ -276,8 +329,10 @@ class _DropAbandonedIo:
 
     def __call__(self, unraisable) -> None:
         code = getattr(unraisable.object, "cr_code", None)
-        abandoned_write = self.reports.seen and "orbax" in str(getattr(code, "co_filename", ""))
-        if not (_into_a_closed_loop(unraisable) or abandoned_write):
+        of_orbax = "orbax" in str(getattr(code, "co_filename", ""))
+        abandoned_write = self.reports.seen and of_orbax
+        abandoned_read = of_orbax and any(isinstance(e, GeneratorExit) for e in _causes(unraisable.exc_value))
+        if not (_into_a_closed_loop(unraisable) or abandoned_write or abandoned_read):
             self.previous(unraisable)
 
 
@@ -524,7 +579,7 @@ class Checkpoints:
     def load_latest(self, abstract_state: Callable[[dict], Any], check: Callable[[dict], None],
                     open_own_state: Callable[[Restored], None] | None = None,
                     agree: Callable[[list[int]], np.ndarray] = _this_process_only) -> Restored | None:
-        """The newest step that reads back completely, or None when there is none.
+        """The newest step that reads back completely, or None when there is no step.
 
         abstract_state(meta) gives the restore target (shapes, dtypes, shardings) for that step's arrays.
         check(meta) raises CheckpointError when the run cannot resume from it (another dataset, another
@@ -534,15 +589,20 @@ class Checkpoints:
         (HostAgreement.gather): process 0 chooses the step to try, since it is the one that moves steps
         aside, and every process acts on what all of them found.
 
-        A step that is damaged on any process (see damage_in) is moved to RUN_DIR/checkpoints.corrupt/
-        with a warning and the one before it is tried: nothing is deleted. Any other failure while reading
-        a step (a device out of memory, a storage error) raises CheckpointError and moves nothing.
+        A step that is damaged on any process (see damage_in) is skipped and the one before it is tried;
+        once a step reads back, the damaged ones after it are moved to RUN_DIR/checkpoints.corrupt/ with a
+        warning (nothing is deleted). If no step before them reads back, nothing is moved and CheckpointError
+        says why: an error every step shows is more likely this installation, config or storage than damage
+        to each one. Any other failure while reading a step (a not_damage() kind, an error of our own code)
+        raises CheckpointError and moves nothing.
         """
-        below = None  # steps at or above this were set aside by this call
+        damaged: list[tuple[int, str]] = []  # (step, why), newest first: set aside once an older step reads
         while True:
-            listed = [s for s in self.steps() if below is None or s < below]
+            listed = [s for s in self.steps() if not damaged or s < damaged[-1][0]]
             step = int(agree([listed[-1] if listed else -1])[0, 0])
             if step < 0:
+                if damaged:
+                    raise self._nothing_reads_back(damaged)
                 return None
             error = None
             if step not in listed:
@@ -551,10 +611,11 @@ class Checkpoints:
             else:
                 try:
                     meta, collector = self._read_json(step)
-                except Exception as e:  # noqa: BLE001 - judged by _agreed_readable
+                except Exception as e:  # noqa: BLE001 - judged by _agreed_damage
                     error = e
-            if not self._agreed_readable(step, error, agree):
-                below = step
+            damage = self._agreed_damage(step, error, agree)
+            if damage:
+                damaged.append((step, damage))
                 continue
             check(meta)
             target = abstract_state(meta)
@@ -564,50 +625,81 @@ class Checkpoints:
                                       f"optimizer: {difference}. Resume with the config the run was started with, "
                                       "or start a new run directory.")
             try:
-                arrays = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), buffer=ocp.args.StandardRestore()))
+                arrays = self._restore_items(step, state=ocp.args.StandardRestore(target),
+                                             buffer=ocp.args.StandardRestore())
                 restored = Restored(step, arrays["state"], {k: np.asarray(v) for k, v in arrays["buffer"].items()},
                                     collector, meta)
                 if open_own_state is not None:
                     open_own_state(restored)
-            except Exception as e:  # noqa: BLE001 - judged by _agreed_readable
+            except Exception as e:  # noqa: BLE001 - judged by _agreed_damage
                 error = e
-            if not self._agreed_readable(step, error, agree):
-                below = step
+            damage = self._agreed_damage(step, error, agree)
+            if damage:
+                damaged.append((step, damage))
                 continue
+            for newer, why in damaged:
+                self._set_aside(newer, why, step)
             return restored
+
+    def _restore_items(self, step: int, **items) -> dict:
+        """Orbax's restore of some items of `step`. Its errors are reading the step's files, so they are damage
+        (DamagedStep, with Orbax's error as its cause) unless they are a not_damage() kind, raised as they are.
+        Errors of our own code happen outside this call and are never taken for damage."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - sorted here, raised again
+            if not_damage(e):
+                raise
+            innermost = list(_causes(e))[-1]  # Orbax wraps TensorStore's error, which names the file
+            raise DamagedStep(f"{type(innermost).__name__}: {_one_line(innermost)}") from e
 
     def _read_json(self, step: int) -> tuple[dict, dict]:
         """(meta, collector) of `step`, checked against their checksums."""
-        items = self._manager.restore(step, args=ocp.args.Composite(
-            collector=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        items = self._restore_items(step, collector=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         meta = verified(items["meta"], f"item meta of step {step}")
         collector = verified(items["collector"], f"item collector of step {step}")
         if meta.get("format") != FORMAT or meta.get("step") != step:
             raise DamagedStep(f"meta is not a {FORMAT} record of step {step}")
         return meta, collector
 
-    def _agreed_readable(self, step: int, error: BaseException | None, agree: Callable) -> bool:
-        """Whether every process read `step` so far (`error`: this process's failure, if any). A step damaged
-        on any process is set aside (False); a failure of any other kind, on any process, raises."""
+    def _agreed_damage(self, step: int, error: BaseException | None, agree: Callable) -> str | None:
+        """Why `step` is damaged on some process, or None when every process read it so far (`error`: this
+        process's failure, if any). A failure of any other kind, on any process, raises and moves nothing."""
         damage = damage_in(error) if error is not None else None
         verdict = READ if error is None else DAMAGED if damage else FAILED
         verdicts = agree([verdict])[:, 0]
         where = f"checkpoint step {step} in {self.directory}"
-        keep = ("it does not look damaged (no file missing, truncated or off its checksum), so nothing was moved or "
-                "changed: fix the cause and run the same command again")
+        keep = "so nothing was moved or changed: fix the cause and run the same command again"
         if verdict == FAILED:
-            raise CheckpointError(f"{where} could not be restored: {type(error).__name__}: {_one_line(error)}; "
-                                  f"{keep}") from error
+            kind = not_damage(error) or "an error outside reading the step's files"
+            raise CheckpointError(f"{where} could not be restored: {type(error).__name__}: {_one_line(error)}; that "
+                                  f"is {kind}, not damage to the step, {keep}") from error
         if (verdicts == FAILED).any():
             raise CheckpointError(f"{where} could not be restored by process {int(np.argmax(verdicts == FAILED))} "
-                                  f"(its own message says why); {keep}")
+                                  f"(its own message says why); that is not damage to the step, {keep}")
         if (verdicts == DAMAGED).any():
-            self._set_aside(step, damage or f"process {int(np.argmax(verdicts == DAMAGED))} found it damaged")
-            return False
-        return True
+            return damage or f"process {int(np.argmax(verdicts == DAMAGED))} found it damaged"
+        return None
 
-    def _set_aside(self, step: int, reason: str) -> None:
+    def _nothing_reads_back(self, damaged: list[tuple[int, str]]) -> CheckpointError:
+        """The refusal when every step failed as damaged: nothing confirms that it is the steps, not this run."""
+        (newest, why), older = damaged[0], damaged[1:]
+        if not older:
+            found = "and there is no step before it to fall back to"
+        elif len(older) == 1:
+            found = f"nor can step {older[0][0]} before it ({older[0][1]})"
+        else:
+            found = f"nor can any of the {len(older)} steps before it (" + "; ".join(
+                f"step {step}: {reason}" for step, reason in older) + ")"
+        paths = " and ".join(str(self.directory / str(step)) for step, _ in damaged)
+        return CheckpointError(
+            f"checkpoint step {newest} in {self.directory} cannot be read ({why}) {found}, so nothing was moved: with "
+            "no step that reads back, the cause may be this installation, config or storage rather than damage. Fix "
+            f"the cause and run the same command again; if the step{'s are' if older else ' is'} really damaged, move "
+            f"{paths} into {self.run_dir / CORRUPT_DIR}/ and run it again to start from scratch (the ledger then "
+            "starts a new chain)")
+
+    def _set_aside(self, step: int, reason: str, used: int) -> None:
         target = self.run_dir / CORRUPT_DIR / f"{step}-{int(time.time())}"
         if jax.process_index() == 0:  # one mover; every process then sees the same steps
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -616,5 +708,5 @@ class Checkpoints:
             from orbax.checkpoint import multihost
             multihost.sync_global_processes(f"grpo_jax_set_aside_{step}")
         self._manager.reload()
-        logger.warning("checkpoint step %d cannot be read (%s); moved it to %s and trying the step before it",
-                       step, reason, target)
+        logger.warning("checkpoint step %d cannot be read (%s); moved it to %s and resuming from step %d, the newest "
+                       "step that reads back", step, reason, target, used)

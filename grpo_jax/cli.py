@@ -86,7 +86,7 @@ def cmd_generate(args) -> None:
         texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     else:
         texts_in = texts
-    prompts = [tokenizer.encode(t) for t in texts_in]
+    prompts = [tokenizer.encode_prompt(t, chat=args.chat) for t in texts_in]  # as training encodes them
     for i, ids in enumerate(prompts):
         if len(ids) > args.max_prompt_len:
             raise UsageError(f"prompt {i} is {len(ids)} tokens long, over the limit --max-prompt-len="
@@ -199,6 +199,7 @@ def cmd_eval(args) -> None:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
         sampler.close()
+        rewards.close()
         raise UsageError(f"--output={args.output}: cannot be written ({e.strerror}); name a file in an existing, "
                          "writable directory") from None
     start = time.perf_counter()
@@ -207,6 +208,7 @@ def cmd_eval(args) -> None:
             result = evaluator.evaluate(sampler)
         finally:
             sampler.close()
+            rewards.close()  # worker processes of process-isolated rewards
         for prompt in result.prompts:
             out.write(json_line(prompt))
     finally:

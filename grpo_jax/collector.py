@@ -22,7 +22,10 @@ half-made handout or a half-accounted step.
 
 The ledger (grpo_jax.ledger.Ledger), when given, is written under the same lock as the accounting it
 records, and `checkpoint_state` fsyncs it and records which ledger line it covers. That makes "the
-checkpoint covers exactly the ledger lines whose effect it contains" hold even with two threads.
+checkpoint covers exactly the ledger lines whose effect it contains" hold even with two threads. Each
+line is written BEFORE the accounting it records changes: a line that cannot be written (a full disk)
+raises ledger.LedgerWriteError and leaves the ordinal exactly where it was, and the ledger then refuses
+every later line and checkpoint, so the run stops and resumes from its last committed checkpoint.
 """
 
 from __future__ import annotations
@@ -352,9 +355,7 @@ class Collector:
                 weight_versions = [int(v) for v in (weight_versions if weight_versions is not None else ())]
                 if step is None or len(weight_versions) != len(ordinals):
                     raise ValueError("with a ledger, mark_trained needs step and one weight version per ordinal")
-            self._accounting.mark_trained(ordinals)
-            self._finished.difference_update(ordinals)
-            if self._ledger is not None:
+            if self._ledger is not None:  # the line first: if it cannot be written, nothing has changed
                 positions = [self._positions[o] for o in ordinals]
                 self._ledger.train(
                     step,
@@ -363,6 +364,8 @@ class Collector:
                     epoch=[p[0] for p in positions],
                     weight_version=weight_versions,
                 )
+            self._accounting.mark_trained(ordinals)
+            self._finished.difference_update(ordinals)
 
     def mark_dropped(self, ordinal: int, reason: str, detail: str | None = None) -> None:
         """`ordinal` will never be trained (reward_error, overlong, zero_variance, bad_row, ...); `detail`, if
@@ -631,12 +634,13 @@ class Collector:
         return ordinal in self._accounting or ordinal in self._finished or ordinal in self._unfinished
 
     def _drop(self, ordinal: int, reason: str, detail: str | None = None) -> None:
+        self._accounting.check_new([ordinal], "dropped")
+        if self._ledger is not None:  # the line first: if it cannot be written, nothing has changed
+            epoch, index = self._positions[ordinal]
+            self._ledger.drop(ordinal, dataset_index=index, epoch=epoch, reason=reason, detail=detail)
         self._accounting.mark_dropped(ordinal, reason)
         self._unfinished.discard(ordinal)
         self._finished.discard(ordinal)
-        if self._ledger is not None:
-            epoch, index = self._positions[ordinal]
-            self._ledger.drop(ordinal, dataset_index=index, epoch=epoch, reason=reason, detail=detail)
 
     def _status(self, ordinal: int) -> str:
         if ordinal in self._accounting:

@@ -56,7 +56,16 @@ class TrainerConfig:
     max_steps: int = 100
     buffer_capacity: int = 0  # groups; 0: prompts_per_step * (max_staleness + 2)
     group_timeout_s: float = 600.0  # the learner stops with an error if a step's groups take longer
+    # Several processes: the longest an agreement between them waits for one that is alive but stuck (JAX's
+    # heartbeat only ends the wait for a dead one); then the waiting processes exit with 4 and one line. 0: 3 x
+    # group_timeout_s (normal skew is seconds; a process may legitimately lag up to group_timeout_s).
+    collective_timeout_s: float = 0.0
     reward_timeout_s: float = 10.0  # per handout: samples not scored by then fail (the others keep their scores)
+    # Stop the run once this many handouts (grpo.prompts_per_step prompts each, per process) in a row gave no group
+    # to train because the rewards failed (every group dropped as reward_error): a reward that fails on every
+    # sample (a bug, a verifier that is down) ends the run with its error instead of dropping every prompt of
+    # every epoch. 0: never stop for that.
+    reward_error_handouts: int = 10
     progress: bool = True
     tensorboard: bool = True
     save_final_model: bool = True  # RUN_DIR/final_model in Hugging Face layout when the run ends
@@ -69,6 +78,9 @@ class TrainerConfig:
     # Weights & Biases, beside metrics.jsonl and TensorBoard; off unless mode is online or offline.
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
+    def collective_timeout(self) -> float:
+        return self.collective_timeout_s or 3 * self.group_timeout_s
+
     def validate(self) -> list[str]:
         problems = []
         if self.max_steps < 1:
@@ -78,6 +90,11 @@ class TrainerConfig:
         for key in ("group_timeout_s", "reward_timeout_s"):
             if not getattr(self, key) > 0:
                 problems.append(f"{key}={getattr(self, key)}: must be > 0")
+        if not self.collective_timeout_s >= 0:
+            problems.append(f"collective_timeout_s={self.collective_timeout_s}: must be >= 0 (0: 3 x group_timeout_s)")
+        if self.reward_error_handouts < 0:
+            problems.append(f"reward_error_handouts={self.reward_error_handouts}: must be >= 0 (0: never stop the run "
+                            "for failing rewards)")
         if self.export_dtype not in ("", "float32", "bfloat16"):
             problems.append(f"export_dtype={self.export_dtype!r}: allowed '' (as the weights came in), float32, "
                             "bfloat16")
@@ -141,6 +158,11 @@ class Config:
         if self.loss.aggregation == "seq_mean_token_sum_norm" and self.loss.max_completion_len <= 0:
             problems.append("loss.max_completion_len=0: aggregation seq_mean_token_sum_norm needs the constant "
                             f"normaliser (usually sampler.max_new_tokens={self.sampler.max_new_tokens})")
+        if self.sampler.temperature == 0:
+            problems.append("sampler.temperature=0: greedy sampling gives every completion of a group the same "
+                            "tokens, so the group's advantages are 0 and training learns nothing; set "
+                            "sampler.temperature > 0 (e.g. 1.0). Evaluation is separate: its pass@1 is greedy "
+                            "anyway and eval.temperature sets its sampled completions")
         if self.eval.every_steps:
             problems += eval_problems(self)
         micro, mini = self.optim.micro_batch_size, self.optim.mini_batches
@@ -175,8 +197,12 @@ class Config:
             found.append(f"loss.off_policy=none with grpo.max_staleness={self.grpo.max_staleness}: groups up to "
                          f"{self.grpo.max_staleness} step(s) old are trained with no correction for the policy "
                          "that generated them (use off_policy tis or decoupled)")
-        if self.sampler.top_k or self.sampler.top_p < 1:
-            found.append(f"sampler.top_k={self.sampler.top_k} / top_p={self.sampler.top_p}: the learner's policy "
-                         "is the full tempered softmax, so each sampled token's importance weight carries the "
-                         "kept probability mass (< 1) and off-policy weights average below 1")
+        if self.loss.loss_type == "gspo" and self.loss.aggregation == "token_mean":
+            found.append("loss.loss_type=gspo with loss.aggregation=token_mean: each sequence's term is weighted by "
+                         "its length, which is not GSPO's sequence-level objective (the mean over sequences of the "
+                         "clipped sequence ratio times the advantage); set loss.aggregation=seq_mean_token_mean")
+        if self.loss.kl_coef > 0 and self.loss.kl_estimator == "k1":
+            found.append(f"loss.kl_estimator=k1 with loss.kl_coef={self.loss.kl_coef}: as a loss term k1 = log pi - "
+                         "log ref has zero expected gradient (the gradient is the score function, whose mean under "
+                         "pi is 0), so the penalty adds only noise; use k3 (the default) or k2")
         return found

@@ -8,6 +8,7 @@ that involve values (ranges, divisibility); type checking is generic and driven 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import types
 import typing
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from grpo_jax.errors import ConfigError  # noqa: F401 - raised here, importable from here
+from grpo_jax.errors import ConfigError, RunDirError  # noqa: F401 - ConfigError: raised here, importable from here
 
 
 def _type_name(tp) -> str:
@@ -179,6 +180,15 @@ def config_to_dict(obj) -> dict:
 
 
 def save_config(obj, path: str | pathlib.Path) -> None:
+    """Write the config as YAML, whole or not at all (a full disk leaves the previous file, not half of it):
+    RunDirError naming the file when it cannot be written."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_to_dict(obj), sort_keys=False))
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(yaml.safe_dump(config_to_dict(obj), sort_keys=False))
+        os.replace(partial, path)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise RunDirError(f"cannot write {path} ({e.strerror or e}): free space (or fix the mount) and run the "
+                          "same command again") from e

@@ -22,8 +22,13 @@ ordinal on each element and the trainer logs malformed ones as `drop` events wit
 or base64, ...), converted as the row is read, so that a checkpoint holding it can always be written.
 
 prompt_text is the template (plain) or the tokenizer's chat template (chat) applied to the row; prompt_ids
-(np.int32) is tokenizer.encode(prompt_text), without added special tokens, as elsewhere in grpo_jax: a plain
-prompt gets no BOS, a chat template writes its own.
+(np.int32) is tokenizer.encode_prompt(prompt_text), as transformers encodes it: a plain prompt starts with the
+BOS when the tokenizer puts one before a text (Llama 3), a chat template writes its own.
+
+Size limits, checked before the work they bound: a row over data.max_row_bytes (its bytes in the file or table,
+known without reading it: the JSONL line index, the Arrow slice, the TFDS record) is a bad row
+`row_too_large`, never parsed or tokenized; a prompt text the tokenizer provably cannot encode in the prompt
+limit (Tokenizer.min_tokens) is `prompt_too_long` before it is tokenized.
 
 Iterator state (DataIterator.get_state) is a JSON-serialisable dict:
 
@@ -60,8 +65,15 @@ from grpo_jax.tasks import TASKS, make_synthetic_dataset
 SOURCES = ("jsonl", "parquet", "tfds", "synthetic")
 PROMPT_FORMATS = ("plain", "chat")
 BAD_ROW_REASONS = ("bad_json", "not_an_object", "missing_field", "bad_field_type", "template_error",
-                   "empty_prompt", "prompt_too_long", "unsupported_value")
+                   "empty_prompt", "prompt_too_long", "unsupported_value", "row_too_large")
 STATE_VERSION = 1
+FINGERPRINT_PREFIX = "data-v2-"  # v2: a JSONL or Parquet file counts with its whole content (a hash), not its size
+
+# data.max_row_bytes=0 means max(MIN_ROW_BYTES_LIMIT, ROW_BYTES_PER_PROMPT_TOKEN * data.max_prompt_len): room for
+# a prompt that fits (a token is rarely over 16 bytes of text, a JSON escape takes at most 6 bytes a character)
+# and an answer and other fields as long again, with margin; a row many times that holds no prompt that fits.
+ROW_BYTES_PER_PROMPT_TOKEN = 256
+MIN_ROW_BYTES_LIMIT = 1 << 20
 
 # Threads that read + tokenize ahead in the consuming process. Small: the trainer needs a few prompts per
 # step, and more threads only compete with the host side of JAX for the GIL.
@@ -102,6 +114,9 @@ class DataConfig:
     shuffle_seed: int = 0
     num_epochs: int = 0  # 0 = repeat forever
     max_prompt_len: int = 1024  # tokens; longer prompts become bad_row prompt_too_long
+    # Bytes of one row (a JSONL line, a Parquet or TFDS record); larger rows become bad_row row_too_large unread.
+    # 0: max(1 MiB, 256 * max_prompt_len).
+    max_row_bytes: int = 0
     worker_count: int = 0  # Grain worker processes; 0 = read in threads of the calling process
 
     def validate(self) -> list[str]:
@@ -147,9 +162,15 @@ class DataConfig:
             problems.append(f"num_epochs={self.num_epochs}: must be >= 0 (0 = repeat forever)")
         if self.max_prompt_len < 1:
             problems.append(f"max_prompt_len={self.max_prompt_len}: must be >= 1")
+        if self.max_row_bytes < 0:
+            problems.append(f"max_row_bytes={self.max_row_bytes}: must be >= 0 (0: max(1 MiB, 256 * max_prompt_len))")
         if self.worker_count < 0:
             problems.append(f"worker_count={self.worker_count}: must be >= 0")
         return problems
+
+    def row_bytes_limit(self) -> int:
+        """max_row_bytes, or its default when 0."""
+        return self.max_row_bytes or max(MIN_ROW_BYTES_LIMIT, ROW_BYTES_PER_PROMPT_TOKEN * self.max_prompt_len)
 
 
 def _template_fields(template: str) -> list[str]:
@@ -166,21 +187,28 @@ def _template_fields(template: str) -> list[str]:
 
 
 # ---- sources: len(), [i] -> the raw record (or _RowError), raw(i) -> bytes for fingerprints ---------------
+# A source refuses a row over its max_row_bytes (0: no limit) in [i], from the row's size alone.
+
+
+def _row_too_large(size: int, limit: int) -> _RowError:
+    return _RowError("row_too_large", f"{size} bytes > data.max_row_bytes={limit}")
 
 
 class JsonlSource:
-    """One JSON object per line. Line offsets are indexed once (numpy, chunked: fine for large files); rows
-    are read lazily with pread, which is thread-safe without a shared file position. Blank lines are skipped
-    (a trailing newline is not a row)."""
+    """One JSON object per line. Line offsets are indexed once (numpy, chunked: fine for large files), and the
+    content hashed in the same pass; rows are read lazily with pread, which is thread-safe without a shared file
+    position. Blank lines are skipped (a trailing newline is not a row)."""
 
     _CHUNK = 1 << 24
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, max_row_bytes: int = 0):
+        self.path, self.max_row_bytes = Path(path), max_row_bytes
         bounds, size, last = [np.zeros(1, np.int64)], 0, b"\n"
+        content_hash = hashlib.sha256()
         try:
             with open(self.path, "rb") as f:
                 while chunk := f.read(self._CHUNK):
+                    content_hash.update(chunk)
                     newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n"))
                     bounds.append(newlines.astype(np.int64) + size + 1)
                     size, last = size + len(chunk), chunk[-1:]
@@ -195,6 +223,7 @@ class JsonlSource:
         self._bounds = bounds
         self._lines = np.flatnonzero(content > 0)  # row -> line number (0-based)
         self.size = size
+        self.sha256 = content_hash.hexdigest()
         self._fd = None
         self._lock = threading.Lock()
 
@@ -210,25 +239,30 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._lines)
 
+    def _span(self, i: int) -> tuple[int, int]:
+        line = int(self._lines[i])
+        return int(self._bounds[line]), int(self._bounds[line + 1])
+
     def raw(self, i: int) -> bytes:
         if self._fd is None:
             with self._lock:
                 if self._fd is None:
                     self._fd = os.open(self.path, os.O_RDONLY)
-        line = int(self._lines[i])
-        start, end = int(self._bounds[line]), int(self._bounds[line + 1])
+        start, end = self._span(i)
         return os.pread(self._fd, end - start, start)
 
     def __getitem__(self, i: int) -> Any:
-        line = int(self._lines[i]) + 1
+        start, end = self._span(i)
+        if 0 < self.max_row_bytes < end - start:
+            raise _row_too_large(end - start, self.max_row_bytes)
         try:
             return json.loads(self.raw(i))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _RowError("bad_json", f"{self.path.name} line {line}: {e}") from None
+            raise _RowError("bad_json", f"{self.path.name} line {int(self._lines[i]) + 1}: {e}") from None
 
     def identity(self) -> dict:
-        # The file name and size, not its directory: the same data under another mount still resumes.
-        return {"kind": "jsonl", "file": self.path.name, "bytes": self.size}
+        # The file name, size and content, not its directory: the same data under another mount still resumes.
+        return {"kind": "jsonl", "file": self.path.name, "bytes": self.size, "sha256": self.sha256}
 
     def __del__(self):
         if getattr(self, "_fd", None) is not None:
@@ -239,12 +273,15 @@ class ParquetSource:
     """A Parquet file read through pyarrow. The table is loaded once per process (memory-mapped; columnar, so
     compact) because shuffled access touches every row group; a row is a one-row slice of it."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, max_row_bytes: int = 0):
         import pyarrow.parquet as pq
 
-        self.path = Path(path)
+        self.path, self.max_row_bytes = Path(path), max_row_bytes
         try:
             parquet = pq.ParquetFile(self.path)
+            # Read once here, so the table is then mapped from the page cache.
+            with open(self.path, "rb") as f:
+                self.sha256 = hashlib.file_digest(f, "sha256").hexdigest()
         except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for a non-parquet file
             raise DataError(f"{self.path}: cannot read as Parquet ({e})") from e
         self._rows = parquet.metadata.num_rows
@@ -275,13 +312,17 @@ class ParquetSource:
         return self._rows
 
     def __getitem__(self, i: int) -> Any:
-        return self._get_table().slice(int(i), 1).to_pylist()[0]
+        row = self._get_table().slice(int(i), 1)
+        if 0 < self.max_row_bytes < row.nbytes:  # the bytes of the row's values, counted without copying them
+            raise _row_too_large(row.nbytes, self.max_row_bytes)
+        return row.to_pylist()[0]
 
     def raw(self, i: int) -> bytes:
-        return _canonical(self[i])
+        return _canonical(self._get_table().slice(int(i), 1).to_pylist()[0])
 
     def identity(self) -> dict:
-        return {"kind": "parquet", "file": self.path.name, "bytes": self.size, "schema": self._schema}
+        return {"kind": "parquet", "file": self.path.name, "bytes": self.size, "schema": self._schema,
+                "sha256": self.sha256}
 
 
 def _plain(value: Any) -> Any:
@@ -301,12 +342,14 @@ def _plain(value: Any) -> Any:
 
 
 class TfdsSource:
-    """A prepared TFDS dataset in the array_record format, read through tfds.data_source (no TensorFlow)."""
+    """A prepared TFDS dataset in the array_record format, read through tfds.data_source (no TensorFlow).
+    Identified by name, split, version and size, not content: TFDS writes a prepared version once
+    (tools/prepare_tfds.py refuses to overwrite one)."""
 
-    def __init__(self, name: str, split: str, data_dir: str = ""):
+    def __init__(self, name: str, split: str, data_dir: str = "", max_row_bytes: int = 0):
         import tensorflow_datasets as tfds  # slow import; only when this source is used
 
-        self.name, self.split, self.data_dir = name, split, data_dir
+        self.name, self.split, self.data_dir, self.max_row_bytes = name, split, data_dir, max_row_bytes
         where = f"data_dir {data_dir}" if data_dir else "TFDS's default data_dir"
         try:
             self._ds = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
@@ -324,10 +367,15 @@ class TfdsSource:
         return len(self._ds)
 
     def __getitem__(self, i: int) -> Any:
-        return _plain(self._ds[int(i)])
+        # The serialized record first: its size decides before it is decoded (tfds's DataSource.__getitem__ is
+        # these two steps).
+        record = self._ds.data_source[int(i)]
+        if 0 < self.max_row_bytes < len(record):
+            raise _row_too_large(len(record), self.max_row_bytes)
+        return _plain(self._ds._deserialize(record))
 
     def raw(self, i: int) -> bytes:
-        return _canonical(self[i])
+        return _canonical(_plain(self._ds[int(i)]))
 
     def identity(self) -> dict:
         return dict(self._identity)
@@ -416,12 +464,12 @@ def open_source(config: DataConfig):
     if problems:
         raise DataError("invalid data config: " + "; ".join(problems))
     if config.source == "jsonl":
-        source = JsonlSource(_resolve_file(config))
+        source = JsonlSource(_resolve_file(config), config.row_bytes_limit())
     elif config.source == "parquet":
-        source = ParquetSource(_resolve_file(config))
+        source = ParquetSource(_resolve_file(config), config.row_bytes_limit())
     elif config.source == "tfds":
-        source = TfdsSource(config.tfds_name, config.split, config.tfds_data_dir)
-    else:
+        source = TfdsSource(config.tfds_name, config.split, config.tfds_data_dir, config.row_bytes_limit())
+    else:  # rows of a few dozen bytes
         source = SyntheticSource(config.synthetic_task, config.synthetic_size, config.seed,
                                  config.synthetic_min_digits, config.synthetic_max_digits)
     if len(source) == 0:
@@ -474,7 +522,8 @@ class _ToRecord:
     """(epoch, dataset_index) -> a prompt record, or a bad_row record for a malformed row.
 
     A prompt longer than data.max_prompt_len, or than sampler_max_prompt_len (what the sampler can take; 0:
-    no such limit), is a bad row: it could never be sampled."""
+    no such limit), is a bad row: it could never be sampled. A text longer than the limit in characters is
+    first checked against the tokenizer's lower bound on its tokens, so one that cannot fit is not tokenized."""
 
     def __init__(self, source, config: DataConfig, tokenizer, sampler_max_prompt_len: int = 0):
         self.source, self.config, self.tokenizer = source, config, tokenizer
@@ -493,7 +542,13 @@ class _ToRecord:
         try:
             row = json_value(self.source[index])
             text = self._prompt_text(row)
-            ids = self.tokenizer.encode(text)
+            chat = self.config.prompt_format == "chat"
+            if len(text) > self.limit:  # a shorter text is quick to tokenize
+                at_least = self.tokenizer.min_tokens(text) + (0 if chat else len(self.tokenizer.prompt_prefix))
+                if at_least > self.limit:
+                    raise _RowError("prompt_too_long", f"at least {at_least} tokens ({len(text)} characters) > "
+                                                       f"{self.limit_key}={self.limit}")
+            ids = self.tokenizer.encode_prompt(text, chat=chat)
             if len(ids) > self.limit:
                 raise _RowError("prompt_too_long", f"{len(ids)} tokens > {self.limit_key}={self.limit}")
         except _RowError as e:
@@ -531,7 +586,7 @@ def _tokenizer_hash(tokenizer) -> str:
     # Tokenizer has no public serialisation accessor, hence _tok.
     h = hashlib.sha256(tokenizer._tok.to_str().encode("utf-8"))
     h.update(_canonical([tokenizer.chat_template, tokenizer.eos_token, tokenizer.bos_token,
-                         tokenizer.pad_token, list(tokenizer.eos_ids)]))
+                         tokenizer.pad_token, list(tokenizer.eos_ids), list(tokenizer.prompt_prefix)]))
     return h.hexdigest()
 
 
@@ -550,13 +605,15 @@ def _fingerprint(config: DataConfig, source, tokenizer) -> str:
         "order": [config.shuffle, config.shuffle_seed],
         "tokenizer": _tokenizer_hash(tokenizer),
     }
-    return "data-v1-" + hashlib.sha256(_canonical(parts)).hexdigest()[:32]
+    return FINGERPRINT_PREFIX + hashlib.sha256(_canonical(parts)).hexdigest()[:32]
 
 
 def dataset_fingerprint(config: DataConfig, tokenizer) -> str:
-    """A string that changes with the data (source identity, size, first/last rows, row count), the prompt
-    format (fields, template, system prompt, max length), the shuffle order and the tokenizer. Stored with a
-    checkpoint so a resume against different data refuses to start."""
+    """A string that changes with the data (source identity: a JSONL or Parquet file's content hash; size,
+    first/last rows, row count), the prompt format (fields, template, system prompt, max length), the shuffle
+    order and the tokenizer. Stored with a checkpoint so a resume against different data refuses to start.
+    data.max_row_bytes is not in it: like the sampler's prompt limit it changes which rows are bad, not the
+    positions of the stream."""
     return _fingerprint(config, open_source(config), tokenizer)
 
 

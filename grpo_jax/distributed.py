@@ -12,6 +12,10 @@ On CPU, several processes need a collectives backend (gloo) for computations tha
 `heartbeat_timeout_s` bounds how long the survivors of a killed process wait: JAX's coordination
 service then aborts them instead of leaving them hanging in a collective. `shutdown_timeout_s` bounds
 the wait for the others at exit (a survivor that stops with an error would otherwise wait 5 minutes).
+A process that is alive but stuck (a hung mount, a reward holding the GIL) keeps its heartbeat: every
+HostAgreement gather is bounded by its own timeout instead (`trainer.collective_timeout_s`), after which
+the waiting process exits with EXIT_COLLECTIVE_TIMEOUT and one line naming the agreement and the absent
+processes.
 """
 
 from __future__ import annotations
@@ -19,11 +23,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import threading
+import time
+import zlib
 
 import jax
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+# A HostAgreement gather outlived its timeout (another process is alive but stuck): the process exits with this,
+# without saving. Distinct from 2 (user error), 3 (diverged) and 75 (preempted and saved).
+EXIT_COLLECTIVE_TIMEOUT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,25 +139,107 @@ def by_process(devices) -> np.ndarray:
 class HostAgreement:
     """Gathers a small int32 vector from every process, over the given devices of every process: the
     learner's for the trainer's agreements (so they never queue behind the actor's sampling), the actor's
-    for an actor mesh across hosts (its lockstep rounds). One process: no JAX at all."""
+    for an actor mesh across hosts (its lockstep rounds). One process: no JAX at all.
 
-    def __init__(self, devices):
+    Every gather is bounded by `timeout_s`. JAX's heartbeat ends the wait for a dead process, not for one
+    that is alive but stuck (a hung mount, a reward holding the GIL, a save far behind), and the gather, a
+    collective inside XLA, cannot be abandoned from Python. So a watchdog thread ends the process when a
+    gather outlives the timeout: one line on stderr naming the agreement (its caller and round), the time
+    waited and the processes that had not arrived, then os._exit(EXIT_COLLECTIVE_TIMEOUT). Nothing is saved
+    (a save is collective too): the last committed checkpoint is where a resume starts. To name the absent
+    processes, each process records the round it reached in the coordination service's key-value store
+    before it enters the collective (one small write per gather)."""
+
+    def __init__(self, devices, timeout_s: float = 1800.0):
         self.processes = jax.process_count()
+        self.timeout_s = timeout_s
+        self.round = 0  # gathers so far: the same on every process, which all run the same sequence
         if self.processes == 1:
             return
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        mesh = Mesh(by_process(devices), ("process", "local"))
+        by_host = by_process(devices)
+        mesh = Mesh(by_host, ("process", "local"))
         self.row_sharding = NamedSharding(mesh, PartitionSpec("process"))  # row p lives on process p
         self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        # The same key on every process for the same devices (the learner's and the actor's are disjoint).
+        ids = ",".join(str(d.id) for d in by_host.reshape(-1))
+        self._arrivals = f"grpo_jax/agreement/{zlib.crc32(ids.encode()):08x}/"
+        self._waiting: tuple[float, float, int, str] | None = None  # (start, deadline, round, caller)
+        self._watch_changed = threading.Condition()
+        self._watchdog: threading.Thread | None = None
 
     def gather(self, values) -> np.ndarray:
         """[num_processes, len(values)]: row p is process p's values (int32: JAX runs without x64)."""
         local = np.asarray(values, np.int32)[None]
         if self.processes == 1:
             return local
-        x = jax.make_array_from_process_local_data(self.row_sharding, local)
-        return np.asarray(self._gather(x).addressable_data(0))
+        self.round += 1
+        self._watch(self.round)
+        try:
+            client = _coordination_client()
+            if client is not None:
+                client.key_value_set(f"{self._arrivals}{jax.process_index()}", str(self.round), allow_overwrite=True)
+            x = jax.make_array_from_process_local_data(self.row_sharding, local)
+            return np.asarray(self._gather(x).addressable_data(0))
+        finally:
+            with self._watch_changed:
+                self._waiting = None
+
+    def _watch(self, round_: int) -> None:
+        start = time.monotonic()
+        with self._watch_changed:
+            self._waiting = (start, start + self.timeout_s, round_, _caller())
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watchdog_loop, name="grpo-agreement-watchdog",
+                                                  daemon=True)
+                self._watchdog.start()
+            self._watch_changed.notify()
+
+    def _watchdog_loop(self) -> None:
+        with self._watch_changed:
+            while True:
+                if self._waiting is None:
+                    self._watch_changed.wait()
+                    continue
+                left = self._waiting[1] - time.monotonic()
+                if left <= 0:
+                    break
+                self._watch_changed.wait(left)
+            start, _, round_, caller = self._waiting
+        absent = self._absent(round_)
+        os.write(2, (f"grpo-jax: error: the agreement of all {self.processes} processes at {caller}, round "
+                     f"{round_}, waited {time.monotonic() - start:.0f}s (timeout {self.timeout_s:g}s: "
+                     f"trainer.collective_timeout_s); {absent}; exiting with {EXIT_COLLECTIVE_TIMEOUT} without saving: "
+                     "the last committed checkpoint is where a resume starts\n").encode())
+        os._exit(EXIT_COLLECTIVE_TIMEOUT)
+
+    def _absent(self, round_: int) -> str:
+        """Which processes had not reached `round_`, from their marks in the key-value store; asked in a thread
+        of its own, since a coordination service that does not answer must not keep the process alive."""
+        answer: list = []  # the marks {process: round}, or the error that came instead
+
+        def read() -> None:
+            try:
+                answer.append({int(key.rstrip("/").rsplit("/", 1)[-1]): int(value)
+                               for key, value in _coordination_client().key_value_dir_get(self._arrivals)})
+            except Exception as e:  # noqa: BLE001 - it goes into the line; the exit goes on
+                answer.append(e)
+
+        started = _coordination_client() is not None
+        if started:
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(5.0)
+        if not answer or isinstance(answer[0], Exception):
+            why = str(answer[0]).splitlines()[0][:200] if answer else "no answer within 5 s" if started else "none"
+            return f"which processes did not arrive is unknown (JAX's coordination service: {why})"
+        marks = answer[0]
+        late = [p for p in range(self.processes) if marks.get(p, 0) < round_]
+        if not late:
+            return "every process arrived, but the collective over their devices did not complete"
+        return (f"process(es) {', '.join(map(str, late))} did not arrive (last at round "
+                f"{', '.join(str(marks.get(p, 0)) for p in late)}: alive but stuck, or far behind)")
 
     def rows(self, data: np.ndarray) -> tuple[jax.Array, list[int]]:
         """A global [num_processes, len] uint8 array whose row p is process p's `data` (padded with zeros
@@ -155,3 +249,17 @@ class HostAgreement:
         row = np.zeros((1, max(lengths)), np.uint8)
         row[0, :len(data)] = data
         return jax.make_array_from_process_local_data(self.row_sharding, row), lengths
+
+
+def _coordination_client():
+    from jax._src import distributed as jax_distributed  # its key-value store has no public API
+
+    return jax_distributed.global_state.client
+
+
+def _caller() -> str:
+    """The first frame outside this module: which agreement a gather is (function, file and line)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return f"{frame.f_code.co_qualname} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"

@@ -335,7 +335,9 @@ class EvalDuringTraining:
     def request(self, step: int) -> None:
         with self._cond:
             self._pending += 1
-        self.actor.submit_side_job(functools.partial(self._run, step))
+        # Run with the weights of `step` at least: a request queued behind a running evaluation must not see the
+        # weights that one measured (it would be skipped as a repeat, e.g. the evaluation after the last step).
+        self.actor.submit_side_job(functools.partial(self._run, step), min_version=step)
 
     @property
     def pending(self) -> int:

@@ -13,16 +13,28 @@ once, by a forward pass with the weights of the step's first update, before any 
 the clip act from the second update on. The reference model's log-probs (KL penalty) are computed in
 the same pass. The sampler's behaviour log-probs enter through the off-policy correction of losses.py.
 
-Temperature: the sampler draws from softmax(logits / T); the learner's log-probs use the same T, so the
-importance weights compare the same distributions. Top-k / top-p are not applied by the learner: its
-policy is the full tempered softmax, while the sampler's behaviour log-probs are renormalised over the
-kept tokens, so on a sampled token proximal / behaviour = the tempered mass of the kept set (<= 1), and
-the off-policy weight scales each token's gradient by that mass.
+The policy is the distribution the sampler draws from: softmax(logits / T) truncated as the sampler
+truncates it (top-k, then top-p on the renormalised top-k mass; tempered_logprobs) and renormalised over
+the kept tokens, in the proximal, current and reference passes alike. So the importance weights compare
+the same distributions: at staleness 0 they are 1 up to float rounding, with truncation or without. A
+sampled token outside the learner's kept set (the weights moved since sampling, or its logit sits within
+rounding of the cut) counts as kept, so that its log-prob stays finite.
+
+Rows whose reward failed (pack_batch's `valid`) have loss_mask 0, exactly like padding rows: they add
+nothing to the policy loss, the KL, any aggregation denominator or any metric.
 
 Gradient accumulation runs the micro-batches of each update through `lax.scan`, so memory holds one
 micro-batch of activations however large the group. Each micro-batch's loss is weighted by its share of
 the update's loss denominator (tokens for token_mean, sequences otherwise), which makes the accumulated
-gradient equal to the mini-batch's gradient, not an average of per-micro-batch means.
+gradient equal to the mini-batch's gradient, not an average of per-micro-batch means. The metrics
+num_tokens and num_seqs count the rollout batch's trained tokens and sequences (summed over micro- and
+mini-batches, once per row however many epochs).
+
+The learning rate is a function of the learner-step index (Learner.steps_done, the learner steps that
+applied an update), passed into the step: every update of a step runs at that step's rate, whatever
+updates were skipped before it. optax's own schedule count advances per applied update only (a skipped
+update keeps the old optimizer state), so left to itself one skipped update would put every later
+step's first update at the previous step's rate; the step sets that count from the index instead.
 
 An update whose loss or gradient norm is not finite is skipped (parameters and moments unchanged); the
 step reports which updates were applied, so the trainer can record which groups were really trained.
@@ -30,8 +42,12 @@ step reports which updates were applied, so the trainer can record which groups 
 LoRA (lora.py): the trained parameters are the adapters; the base model's weights enter the step as a
 separate argument that is neither differentiated nor donated, so optimizer moments exist for the
 adapters alone and the base's weight gradients are never computed. The KL reference is that base with
-the adapters off. Adapter dropout applies in the gradient pass only, with a key per update and
-micro-batch.
+the adapters off. Adapter dropout applies to the gradient only, with a key per update and micro-batch:
+every value the loss uses (the ratio and its clip, the importance weight, the KL, the entropy) comes
+from the same micro-batch's log-probs without dropout, the policy the sampler runs, and the proximal
+log-probs are always computed without it. A micro-batch with dropout therefore runs its forward pass
+twice (once without dropout and without gradient); otherwise the clip would bind on dropout noise even
+at lr 0, and the importance weight would carry that noise at staleness 0.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ from grpo_jax.errors import UserError
 from grpo_jax.lora import merge_adapters
 from grpo_jax.losses import LossConfig, policy_loss
 from grpo_jax.model import Transformer, positions_from_mask
+from grpo_jax.sampler import _nucleus_cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,23 +115,39 @@ class OptimConfig:
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
-    """The learning rate as a function of the optimizer's update count. warmup_steps and decay_steps count
-    learner steps, so a step's updates (mini-batches x epochs) all share its rate."""
-    warmup = optax.linear_schedule(0.0 if config.warmup_steps else config.lr, config.lr,
-                                   max(config.warmup_steps, 1))
+    """The learning rate as a function of the learner-step index (every update of a step runs at its rate).
+
+    Warm-up: steps 0 .. W-1 (W = warmup_steps) ramp linearly over lr / (W + 1), 2 lr / (W + 1), ...,
+    W lr / (W + 1), and step W runs at lr, where the cosine decay over decay_steps (if any) starts. The ramp
+    starts above zero because a step at lr 0 would change nothing while its groups are recorded as trained."""
+    warmup = optax.linear_schedule(config.lr / (config.warmup_steps + 1), config.lr, max(config.warmup_steps, 1))
     if config.decay_steps:
         decay = optax.cosine_decay_schedule(config.lr, config.decay_steps, alpha=config.min_lr_ratio)
     else:
         decay = optax.constant_schedule(config.lr)
-    by_step = optax.join_schedules([warmup, decay], [config.warmup_steps])
-    return lambda updates: by_step(updates // config.updates_per_step)
+    return optax.join_schedules([warmup, decay], [config.warmup_steps])
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping and AdamW at learning_rate_schedule's rate. The schedule reads optax's own count,
+    which the learner step sets to the learner-step index before every update (at_learner_step)."""
     parts = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip else []
     parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
                              weight_decay=config.weight_decay))
     return optax.chain(*parts)
+
+
+def at_learner_step(opt_state, step_index):
+    """opt_state with the learning-rate schedule's count set to the learner-step index. optax advances that
+    count per applied update, and a skipped update keeps the old state, so the count alone would drift behind
+    the steps; AdamW's own count (its bias correction) is left alone: it rightly counts applied updates. The
+    state's structure is unchanged, so checkpoints written before this rule restore as they are."""
+    def set_count(state):
+        if isinstance(state, optax.ScaleByScheduleState):
+            return state._replace(count=jnp.asarray(step_index, state.count.dtype))
+        return state
+
+    return jax.tree.map(set_count, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 
 @jax.tree_util.register_dataclass
@@ -123,7 +156,8 @@ class TrainBatch:
     """One learner batch; sequence index t of the [B, L-1] arrays scores tokens[:, t + 1].
 
     tokens: [B, L] prompt + completion; input_mask: [B, L] real tokens (prompt left-padded, completion
-    right-padded); loss_mask: [B, L-1] the completion tokens being trained; advantages: [B];
+    right-padded); loss_mask: [B, L-1] the completion tokens being trained (none in a padding row or in a
+    row whose reward failed: such a row counts in no loss, denominator or metric); advantages: [B];
     behaviour_logprobs: [B, L-1] the sampler's log-probs of those tokens (0 elsewhere).
     """
 
@@ -141,11 +175,61 @@ class TrainBatch:
         return x if not self.completion_len else x[:, x.shape[1] - self.completion_len:]
 
 
+def truncation_mask(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """[..., V] bool: the tokens the sampler keeps for float32 logits [..., V] (untempered): top-k, then top-p
+    on the renormalised top-k mass at the temperature, by the sampler's own rule (sampler.sample_logits: the
+    nucleus cut of the tempered mass over the top-k candidates, ties at the cut all kept). Top-k keeps every
+    token at or above the k-th largest logit; the sampler's lax.top_k keeps exactly k, which differs only on
+    an exact float tie at the k-th value."""
+    vocab = logits.shape[-1]
+    keep = jnp.ones(logits.shape, bool)
+    candidates = logits
+    if 0 < top_k < vocab:
+        candidates = jax.lax.top_k(logits, top_k)[0]  # [..., k], descending, as the sampler's
+        keep = logits >= candidates[..., -1:]
+    if top_p < 1.0:
+        n = candidates.shape[-1]
+        flat = candidates.reshape(-1, n)
+        inv_t = np.float32(1.0) / np.float32(temperature)  # the sampler's float32 reciprocal
+        mass = jnp.exp((flat - flat.max(-1, keepdims=True)) * inv_t)
+        # The sampler's nucleus cut works vocab-major ([n, rows]), as its logits come.
+        cut = _nucleus_cut(flat.T, mass.T, jnp.float32(top_p)).reshape(*logits.shape[:-1], 1)
+        keep = keep & (logits >= cut)
+    return keep
+
+
+def tempered_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0, with_entropy: bool = False):
+    """Log-prob of each target [...] under the distribution the sampler draws from given float32 logits
+    [..., V]: softmax(logits / temperature) truncated to truncation_mask's tokens and renormalised, and
+    optionally that distribution's entropy (no gradient). The target always counts as kept: a token the
+    sampler drew may fall outside the learner's set when the weights moved since (or by rounding at the
+    cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at staleness 0 it is in the
+    set anyway."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    keep = None
+    if top_k or top_p < 1.0:
+        is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+        keep = truncation_mask(logits, temperature, top_k, top_p) | is_target
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    log_norm = jax.nn.logsumexp(scaled, axis=-1)
+    target = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
+    logprobs = target - log_norm
+    if not with_entropy:
+        return logprobs, None
+    probs = jnp.exp(scaled - log_norm[..., None])  # 0 outside the kept set
+    weighted = probs * scaled if keep is None else jnp.where(keep, probs * scaled, 0.0)
+    entropy = log_norm - jnp.sum(weighted, axis=-1)
+    return logprobs, jax.lax.stop_gradient(entropy)
+
+
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
-                   last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None):
-    """Log-prob of each next token under softmax(logits / temperature), [B, L-1] (or only the last `last`
-    positions, [B, last]), and optionally the entropy of each next-token distribution. adapters,
-    dropout_key: LoRA on top of the model (Transformer.hidden_states)."""
+                   last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None, top_k: int = 0,
+                   top_p: float = 1.0):
+    """Log-prob of each next token under the sampler's distribution (tempered_logprobs: softmax(logits /
+    temperature), truncated by top_k / top_p), [B, L-1] (or only the last `last` positions, [B, last]), and
+    optionally the entropy of each next-token distribution. adapters, dropout_key: LoRA on top of the model
+    (Transformer.hidden_states)."""
     positions = positions_from_mask(input_mask)
     hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1], adapters=adapters,
                                     dropout_key=dropout_key)
@@ -153,16 +237,7 @@ def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array,
     if last:
         hidden, targets = hidden[:, -last:], targets[:, -last:]
     logits = model.logits(hidden)  # float32
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logprobs = target - log_norm
-    if not with_entropy:
-        return logprobs, None
-    probs = jnp.exp(logits - log_norm[..., None])
-    entropy = log_norm - jnp.sum(probs * logits, axis=-1)
-    return logprobs, jax.lax.stop_gradient(entropy)
+    return tempered_logprobs(logits, targets, temperature, top_k, top_p, with_entropy=with_entropy)
 
 
 def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig) -> jax.Array:
@@ -184,11 +259,17 @@ def mini_batch_of_row(row: int, mini_batches: int) -> int:
     return row % mini_batches
 
 
+# Metrics that count (tokens, sequences): summed over micro-batches, not averaged like the rest.
+COUNT_METRICS = ("num_tokens", "num_seqs")
+
+
 def _merge_metrics(stacked: dict, weights: jax.Array) -> dict:
     share = weights / jnp.maximum(jnp.sum(weights), 1e-9)
     merged = {}
     for key, value in stacked.items():
-        if key.endswith("max"):
+        if key in COUNT_METRICS:
+            merged[key] = jnp.sum(value)
+        elif key.endswith("max"):
             merged[key] = jnp.max(value)
         elif key.endswith("min"):
             merged[key] = jnp.min(value)
@@ -208,11 +289,14 @@ class _Rows:
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
-                    optim_config: OptimConfig, ref_graphdef=None, temperature: float = 1.0, base_graphdef=None):
-    """A pure learner step (params, opt_state, batch, ref_params, frozen, dropout_key) -> (params, opt_state,
-    metrics, applied), for jax.jit: optim.epochs x optim.mini_batches updates; `applied` [updates] says which
-    were finite (update u works on mini-batch u % mini_batches). `temperature` is the sampler's (0, greedy,
-    counts as 1).
+                    optim_config: OptimConfig, ref_graphdef=None, temperature: float = 1.0, base_graphdef=None,
+                    top_k: int = 0, top_p: float = 1.0):
+    """A pure learner step (params, opt_state, batch, ref_params, frozen, dropout_key, step_index) -> (params,
+    opt_state, metrics, applied), for jax.jit: optim.epochs x optim.mini_batches updates; `applied` [updates]
+    says which were finite (update u works on mini-batch u % mini_batches). step_index (int32 scalar): the
+    learner-step index that sets the learning rate (at_learner_step). `temperature`, `top_k`, `top_p` are the
+    sampler's (temperature 0, greedy, counts as 1; training refuses it): every pass scores the sampler's
+    truncated distribution (tempered_logprobs).
 
     LoRA (base_graphdef given): graphdef and params are the adapters (lora.Adapters), the only thing trained;
     `frozen` is the base model's state (of base_graphdef), never differentiated, and the KL reference is that
@@ -230,7 +314,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             model, adapters = nnx.merge(base_graphdef, frozen), None if params is None else nnx.merge(gd, params)
         return token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=with_entropy,
                               last=micro.completion_len, temperature=temperature, adapters=adapters,
-                              dropout_key=dropout_key)
+                              dropout_key=dropout_key, top_k=top_k, top_p=top_p)
 
     def num_micro(rows: int) -> int:
         return rows // micro_batch_size if micro_batch_size else 1
@@ -244,7 +328,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
 
     def micro_loss(params, rows: _Rows, weight_over_total, frozen, dropout_key):
         micro = rows.batch
-        logprobs, entropy = logprobs_of(graphdef, params, micro, frozen, with_entropy=True, dropout_key=dropout_key)
+        logprobs, entropy = logprobs_of(graphdef, params, micro, frozen, with_entropy=dropout_key is None,
+                                        dropout_key=dropout_key)
+        if dropout_key is not None:
+            # Dropout shapes the gradient only: the values (ratio, clip, importance weight, KL, entropy) are those
+            # of the policy without dropout, which the sampler runs (see the module docstring).
+            clean, entropy = logprobs_of(graphdef, params, micro, frozen, with_entropy=True)
+            logprobs = jax.lax.stop_gradient(clean) + logprobs - jax.lax.stop_gradient(logprobs)
         old = jax.lax.stop_gradient(logprobs) if rows.old_logprobs is None else rows.old_logprobs
         loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
                                     micro.advantages, micro.scored(micro.loss_mask), loss_config,
@@ -279,7 +369,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         metrics.update(loss=loss, grad_norm=grad_norm)
         return keep(new_params, params), keep(new_opt_state, opt_state), metrics, finite
 
-    def step(params, opt_state, batch: TrainBatch, ref_params=None, frozen=None, dropout_key=None):
+    def step(params, opt_state, batch: TrainBatch, ref_params, frozen, dropout_key, step_index):
         old = forward_logprobs(graphdef, params, batch, frozen) if updates > 1 else None
         if base_graphdef is not None:
             ref = forward_logprobs(graphdef, None, batch, frozen) if loss_config.needs_reference else None
@@ -292,12 +382,15 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             params, opt_state = carry
             rows = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, u % mini_batches, keepdims=False), minis)
             update_key = None if key is None else jax.random.fold_in(key, u)
+            opt_state = at_learner_step(opt_state, step_index)
             params, opt_state, metrics, finite = one_update(params, opt_state, rows, frozen, update_key)
             return (params, opt_state), (metrics, finite)
 
         (params, opt_state), (stacked, applied) = jax.lax.scan(update, (params, opt_state), jnp.arange(updates))
         # Every update counts equally in the step's metrics (skipped ones included: they show the fault).
         metrics = _merge_metrics(stacked, jnp.ones(updates))
+        for key in COUNT_METRICS:  # summed over the updates, where each row is in `epochs` of them
+            metrics[key] = metrics[key] / optim_config.epochs
         metrics["loss/last"] = stacked["loss"][-1]
         return params, opt_state, metrics, applied
 
@@ -320,7 +413,7 @@ class Learner:
 
     def __init__(self, model: Transformer, optim_config: OptimConfig, loss_config: LossConfig,
                  reference_model: Transformer | None = None, temperature: float = 1.0, adapters=None,
-                 dropout_seed: int = 0):
+                 dropout_seed: int = 0, top_k: int = 0, top_p: float = 1.0):
         self.base_graphdef = self.frozen = None
         if adapters is None:
             self.graphdef, self.params = nnx.split(model)
@@ -342,10 +435,10 @@ class Learner:
         if adapters is not None and adapters.config.dropout > 0:
             self.dropout_base = jax.random.key(dropout_seed)
         step = make_train_step(self.graphdef, self.optimizer, loss_config, optim_config, ref_graphdef,
-                               temperature=temperature, base_graphdef=self.base_graphdef)
+                               temperature=temperature, base_graphdef=self.base_graphdef, top_k=top_k, top_p=top_p)
         self._step_fn, self._jitted_step = step, None
-        self.steps_done = 0  # learner steps with at least one applied update
-        self.updates_done = 0  # applied optimizer updates (the learning-rate schedule's count)
+        self.steps_done = 0  # learner steps with at least one applied update (the learning-rate schedule's index)
+        self.updates_done = 0  # applied optimizer updates (the dropout masks' count)
         self.nonfinite_in_row = 0  # learner steps in a row with a skipped update
         self.nonfinite_total = 0  # skipped updates in all
         self.last_finite_loss: float | None = None
@@ -371,16 +464,23 @@ class Learner:
             raise ValueError(f"batch of {size} sequences does not split into optim.mini_batches={mini} "
                              f"mini-batches of micro-batches of optim.micro_batch_size={micro}")
 
+    def step_arguments(self, batch: TrainBatch) -> tuple:
+        """The arguments of the jitted step (`_step`) for this batch, now: parameters, optimizer state, batch,
+        reference, frozen base, dropout key and learner-step index. The last two are host data (NumPy), fine
+        as an input on every process."""
+        dropout_key = None
+        if self.dropout_base is not None:
+            dropout_key = np.asarray(jax.random.key_data(jax.random.fold_in(self.dropout_base, self.updates_done)))
+        return (self.params, self.opt_state, batch, self.ref_params, self.frozen, dropout_key,
+                np.int32(self.steps_done))
+
     def step(self, batch: TrainBatch) -> tuple[dict[str, Any], np.ndarray]:
         """One learner step; returns host metrics and which updates were applied ([updates] bool; update u
         trained mini-batch u % mini_batches). The caller decides what a skipped update means for its rows
         and stops the run via `diverged`."""
         self.check_batch(batch)
-        dropout_key = None
-        if self.dropout_base is not None:  # host data (numpy): fine as an input on every process
-            dropout_key = np.asarray(jax.random.key_data(jax.random.fold_in(self.dropout_base, self.updates_done)))
-        self.params, self.opt_state, metrics, applied = self._step(self.params, self.opt_state, batch,
-                                                                   self.ref_params, self.frozen, dropout_key)
+        rate = float(learning_rate_schedule(self.optim_config)(self.steps_done))
+        self.params, self.opt_state, metrics, applied = self._step(*self.step_arguments(batch))
         # Replicated values: read this process's copy (device_get would refuse an array spanning hosts).
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
         applied = np.asarray(applied.addressable_data(0)).astype(bool)
@@ -392,8 +492,7 @@ class Learner:
             self.steps_done += 1
         if applied[-1]:
             self.last_finite_loss = metrics["loss/last"]
-        metrics.update({"nonfinite_total": self.nonfinite_total, "updates/applied": int(applied.sum()),
-                        "lr": float(learning_rate_schedule(self.optim_config)(max(self.updates_done - 1, 0)))})
+        metrics.update({"nonfinite_total": self.nonfinite_total, "updates/applied": int(applied.sum()), "lr": rate})
         return metrics, applied
 
     def diverged(self, step: int) -> NonFiniteError | None:
@@ -437,10 +536,11 @@ def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fil
 
 
 def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
-               prompt_len: int, completion_len: int) -> TrainBatch:
+               prompt_len: int, completion_len: int, valid: np.ndarray | None = None) -> TrainBatch:
     """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
     sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length.
-    Returns NumPy arrays."""
+    valid [rows] bool (None: all): False marks a row whose reward failed; it gets loss_mask 0, so it trains
+    nothing and counts in no denominator or metric, exactly like a padding row. Returns NumPy arrays."""
     try:
         prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
         completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
@@ -454,6 +554,11 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
     loss_mask = np.zeros((size, length - 1), np.float32)
     behaviour = np.zeros((size, length - 1), np.float32)
     loss_mask[:, prompt_len - 1:] = completion_mask
+    if valid is not None:
+        valid = np.asarray(valid, bool)
+        if valid.shape != (size,):
+            raise ValueError(f"valid has shape {valid.shape}, expected ({size},): one flag per row")
+        loss_mask[~valid] = 0.0
     behaviour[:, prompt_len - 1:] = behaviour_scored
     # Host arrays: the caller places them (the trainer commits them to the learner's batch sharding).
     return TrainBatch(tokens=np.concatenate([prompt_ids, completion_ids], axis=1),

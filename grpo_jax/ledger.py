@@ -1,8 +1,13 @@
 """The prompt ledger RUN_DIR/events.jsonl (format: ../shared/reference/ledger.md, binding) and its audit.
 
-Writing: `Ledger` appends one JSON object per line ({"run", "seq", "event", ...}), flushed per line;
-`fsync()`/`covers()` make lines durable before a checkpoint may cover them. A torn last line (a crash
-mid-write) is cut off when the ledger is opened again: it was never complete, so nothing covers it.
+Writing: `Ledger` appends one JSON object per line ({"run", "seq", "event", ...}) through a LineFile (one
+write per line, no user-space buffer); `fsync()`/`covers()` make lines durable before a checkpoint may cover
+them. A torn last line (a crash mid-write) is cut off when the ledger is opened again: it was never
+complete, so nothing covers it. A line that cannot be written (a full disk, EIO, a read-only mount) is cut
+off at once, its `seq` is not used, and the ledger refuses every later line and `covers()`
+(LedgerWriteError, one line naming the file): callers write the line BEFORE they change the accounting it
+records, so a failed line changes nothing, and no checkpoint can cover anything after it. The run stops;
+its next start resumes from the last committed checkpoint.
 
 Reading: `audit(run_dir)` follows the surviving chain (the last run, then the run it resumed from up to
 the covered seq, and so on back to run 0; lines past a covered seq were undone by the restore) and
@@ -22,6 +27,7 @@ Pure Python (no JAX).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +37,9 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterable
+
+from grpo_jax.errors import RunDirError
+from grpo_jax.line_file import LineFile
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,7 @@ def global_ordinal(local: int, process_index: int, process_count: int) -> int:
 def ledger_file(process_index: int = 0, process_count: int = 1) -> str:
     """events.jsonl for one process; events.process{P}.jsonl for each of several."""
     return LEDGER_FILE if process_count == 1 else f"events.process{process_index}.jsonl"
+
 EVENT_KINDS = ("run_start", "train", "drop", "checkpoint")
 _REASON = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -80,6 +90,11 @@ def read_lines(path: Path) -> tuple[list[dict], list[str], list[str], int]:
     return lines, warnings, errors, complete_len
 
 
+class LedgerWriteError(RunDirError):
+    """A ledger line could not be written (or synced): nothing it records has taken effect, and the ledger
+    takes no further line. The message is one line naming the file and the fix."""
+
+
 class Ledger:
     """Appends ledger lines for one process start (`run`) of a run directory. Thread-safe.
 
@@ -98,13 +113,9 @@ class Ledger:
         self.path = Path(run_dir) / ledger_file(process_index, process_count)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        lines, warnings, errors, complete_len = read_lines(self.path)
+        lines, warnings, errors, _ = read_lines(self.path)
         for message in warnings + errors:
             logger.warning("ledger: %s", message)
-        if self.path.exists() and complete_len < self.path.stat().st_size:
-            # Cut the torn tail off, else the next line would be glued to it and both become unreadable.
-            with open(self.path, "r+b") as f:
-                f.truncate(complete_len)
         runs = {line["run"] for line in lines}
         highest = max(runs, default=-1)
         if run is None:
@@ -120,7 +131,7 @@ class Ledger:
                 )
         self.run = int(run)
         self._next_seq = 0
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = LineFile(self.path)  # cuts a torn last line off; a failed line is cut off and ends it
         process = {} if process_count == 1 else {"process": self.process_index, "process_count": self.process_count}
         self._write("run_start", {"resumed_from": resumed_from, **process})
         self.fsync()
@@ -130,13 +141,34 @@ class Ledger:
 
     # -- writing ------------------------------------------------------------------------------------
 
+    @property
+    def failed(self) -> OSError | None:
+        """The write or sync that failed, after which the ledger takes no line (None while all is well)."""
+        return self._file.failed
+
     def _write(self, event: str, fields: dict) -> dict:
         with self._lock:
             line = {"run": self.run, "seq": self._next_seq, "event": event, **fields}
-            self._file.write(json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n")
-            self._file.flush()  # per line: a crash loses at most the line being written
+            with self._one_line_error(f"its {event} line (seq {self._next_seq}) could not be written"):
+                self._file.append(json.dumps(line, separators=(",", ":"), allow_nan=False) + "\n")
             self._next_seq += 1
             return _line_id(self.run, line["seq"])
+
+    @contextlib.contextmanager
+    def _one_line_error(self, what: str):
+        earlier = self._file.failed
+        try:
+            yield
+        except (OSError, ValueError) as e:
+            if earlier is not None:
+                what = f"it takes no more lines since a write failed ({earlier.strerror or earlier})"
+            elif isinstance(e, OSError):
+                what = f"{what} ({e.strerror or e})"
+            else:
+                what = "it is closed"
+            raise LedgerWriteError(f"the prompt ledger {self.path}: {what}: the run stops here, and nothing it did "
+                                   "after its last ledger line counts; free space (or fix the mount) and run the same "
+                                   "command to resume from the last committed checkpoint") from e
 
     def train(self, step: int, ordinals: Iterable[int], dataset_index: Iterable[int], epoch: Iterable[int], weight_version: Iterable[int]) -> dict:
         """One learner step: the ordinals it trained, with their dataset index, epoch and weight version."""
@@ -173,23 +205,21 @@ class Ledger:
         return covers
 
     def fsync(self) -> None:
-        with self._lock:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        self.covers()
 
     def covers(self) -> dict:
-        """fsync, then {"run", "seq"} of the last line written: what a checkpoint taken now may cover."""
+        """fsync, then {"run", "seq"} of the last line written: what a checkpoint taken now may cover.
+        LedgerWriteError after a failed line or sync (a checkpoint must not cover anything past it)."""
         with self._lock:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with self._one_line_error("its lines could not be synced to disk"):
+                self._file.sync()
             return _line_id(self.run, self._next_seq - 1)
 
     def close(self) -> None:
+        """Sync and close; never raises (what could not be synced is covered by no checkpoint, and the next
+        start cuts an incomplete last line off)."""
         with self._lock:
-            if not self._file.closed:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
+            self._file.close()
 
     def __enter__(self) -> "Ledger":
         return self

@@ -46,8 +46,13 @@ class LossConfig:
       "token_mean"               sum over all tokens / number of tokens (DAPO)
       "seq_mean_token_mean"      mean over sequences of each sequence's token mean (GRPO, GSPO)
       "seq_mean_token_sum_norm"  mean over sequences of token sum / max_completion_len (Dr. GRPO)
+      GSPO's sequence-level objective is seq_mean_token_mean (each sequence's clipped ratio term once); with
+      token_mean each sequence weighs by its length (config.Config.warnings says so at the start of a run).
     kl_coef, kl_estimator: adds kl_coef * KL(pi || ref) per token, aggregated the same way;
       k1 = logp - logref, k2 = (logp - logref)^2 / 2, k3 = exp(logref - logp) - (logref - logp) - 1.
+      As a loss term (differentiated through logp on samples of pi) k1's expected gradient is zero: its
+      gradient is the score function, whose mean under pi is 0, so it adds noise only (warned); k2's is the
+      gradient of KL(pi || ref), k3's that of KL(ref || pi).
     off_policy, tis_cap: the correction for behaviour != proximal policy (module docstring): "tis"
       weights each token's policy loss by min(w, tis_cap); "decoupled" by w, zeroing tokens whose w
       exceeds tis_cap; "none" ignores the behaviour log-probs. The weight is a constant (no gradient)

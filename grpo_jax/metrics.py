@@ -1,7 +1,8 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files under RUN_DIR/tb/, a progress bar and,
 when trainer.wandb asks for it, Weights & Biases (grpo_jax.wandb_logger).
 
-metrics.jsonl is the source of truth (flushed as written); TensorBoard, W&B and the progress bar are views of
+metrics.jsonl is the source of truth (each line one write, grpo_jax.line_file: a full disk stops the run
+with one line naming the file, never leaves a torn line); TensorBoard, W&B and the progress bar are views of
 the same numbers. It holds one JSON object per learner step (no "kind" key) and, with evaluations
 (grpo_jax.evaluation), one more line per finished evaluation, marked "kind": "eval", whose "step" is the last
 learner step written before it (so "step" never goes back over the file) and whose "eval/weight_version" is
@@ -19,10 +20,17 @@ import pathlib
 
 from tqdm import tqdm
 
+from grpo_jax.cleanup import run_all
+from grpo_jax.errors import RunDirError
+from grpo_jax.line_file import LineFile
 from grpo_jax.wandb_logger import WandbConfig, WandbLogger
 
 EVAL_KIND = "eval"  # the "kind" of an evaluation line of metrics.jsonl; learner-step lines have no "kind"
 KINDS = ("step", "eval", "all")
+# What a user does about a run directory that stopped taking writes (metrics are written after the step's ledger
+# line, so a step whose metrics line failed is trained and recorded; the resume starts at the last checkpoint).
+_FIX = ("the run stops here; free space (or fix the mount) and run the same command to resume from the last "
+        "committed checkpoint")
 REQUIRED_KEYS = ("step", "reward/mean", "loss", "kl", "staleness/mean", "staleness/max", "time/step_s",
                  "tokens_per_s")
 
@@ -52,6 +60,15 @@ def _scalars(metrics: dict) -> dict:
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+def reward_failure_rates(metrics: dict) -> dict[str, float]:
+    """{label: rate} of the reward functions that failed samples, from a row's `reward/<label>/failure_rate` keys
+    (grpo_jax.rewards.RewardSuite.metrics); rates of 0 or NaN (nothing scored) left out."""
+    prefix, suffix = "reward/", "/failure_rate"
+    return {key[len(prefix):-len(suffix)]: value for key, value in metrics.items()
+            if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix)
+            and isinstance(value, (int, float)) and value > 0}
+
+
 class MetricsWriter:
     """`wandb` (enabled) also sends each row to Weights & Biases, with `run_config` (the resolved config)
     at the start and the ledger audit's numbers at close()."""
@@ -65,7 +82,7 @@ class MetricsWriter:
         self._wandb = None
         if wandb is not None and wandb.enabled:
             self._wandb = WandbLogger(wandb, self.run_dir, run_config or {})
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._file = self._open("metrics.jsonl")
         self._tb = None
         if tensorboard:
             # tensorboardX writes standard event files without TensorFlow.
@@ -81,16 +98,19 @@ class MetricsWriter:
         if missing:
             raise KeyError(f"metrics for step {metrics.get('step')} lack {missing}")
         step = self._last_step = int(metrics["step"])
-        self._file.write(json.dumps({k: _plain(v) for k, v in metrics.items()}) + "\n")
-        self._file.flush()
+        self._append(self._file, json.dumps({k: _plain(v) for k, v in metrics.items()}) + "\n")
         scalars = _scalars(metrics)
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step)
-        self._bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}",
-                              stale=f"{metrics['staleness/mean']:.1f}", refresh=False)
+        postfix = {"reward": f"{metrics['reward/mean']:.3f}", "step_s": f"{metrics['time/step_s']:.2f}",
+                   "stale": f"{metrics['staleness/mean']:.1f}"}
+        failing = reward_failure_rates(metrics)
+        if failing:  # e.g. "failed=format 25%,gsm8k 3%": the samples each reward failed since the last step
+            postfix["failed"] = ",".join(f"{label} {rate:.0%}" for label, rate in failing.items())
+        self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
 
     def write_eval(self, row: dict) -> None:
@@ -99,14 +119,12 @@ class MetricsWriter:
         "eval/weight_version"; TensorBoard scalars at the weight version. W&B takes steps in increasing order
         only, so there the row is logged at the last learner step written, with eval/weight_version too."""
         if self._eval_file is None:
-            self._eval_file = open(self.run_dir / "eval.jsonl", "a", encoding="utf-8")
-        self._eval_file.write(json_line(row))
-        self._eval_file.flush()
+            self._eval_file = self._open("eval.jsonl")
+        self._append(self._eval_file, json_line(row))
         version = int(row["step"])
         values = {k: v for k, v in row.items() if k != "step"}
-        self._file.write(json_line({"kind": EVAL_KIND, "step": self._last_step, "eval/weight_version": version,
-                                    **values}))
-        self._file.flush()
+        self._append(self._file, json_line({"kind": EVAL_KIND, "step": self._last_step,
+                                            "eval/weight_version": version, **values}))
         scalars = _scalars(row)
         if self._tb is not None:
             for key, value in scalars.items():
@@ -114,15 +132,37 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log({**scalars, "eval/weight_version": version}, self._last_step)
 
+    def _open(self, name: str) -> LineFile:
+        try:
+            return LineFile(self.run_dir / name)
+        except OSError as e:
+            raise RunDirError(f"cannot open {self.run_dir / name} ({e.strerror or e}): {_FIX}") from e
+
+    @staticmethod
+    def _append(file: LineFile, line: str) -> None:
+        """One whole line, or RunDirError naming the file (the line is cut off; the file takes no more)."""
+        try:
+            file.append(line)
+        except OSError as e:
+            raise RunDirError(f"cannot write {file.path} ({e.strerror or e}): {_FIX}") from e
+
     def close(self) -> None:
-        self._bar.close()
-        self._file.close()
+        """Close every part, each even if another fails (TensorBoard's last flush on a full disk)."""
+        steps = [self._bar.close, self._file.close]
         if self._eval_file is not None:
-            self._eval_file.close()
+            steps.append(self._eval_file.close)
         if self._tb is not None:
-            self._tb.close()
+            steps.append(self._close_tensorboard)
         if self._wandb is not None:
-            self._wandb.finish()
+            steps.append(self._wandb.finish)
+        run_all(steps)
+
+    def _close_tensorboard(self) -> None:
+        try:
+            self._tb.close()
+        except OSError as e:
+            raise RunDirError(f"cannot write the TensorBoard events under {self.run_dir / 'tb'} ({e.strerror or e}); "
+                              "metrics.jsonl holds the same numbers") from e
 
 
 def is_eval_line(row: dict) -> bool:

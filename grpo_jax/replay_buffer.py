@@ -1,7 +1,8 @@
 """Finished groups waiting for the learner, the staleness bound, and the actor's admission rule.
 
-Versions and steps. The weight version is the number of learner updates done so far. The learner trains
-the step that starts at version k (take(n, current_version=k)); that update makes version k + 1. A group
+Versions and steps. The weight version is the number of learner steps done so far (each step makes
+optim.mini_batches x optim.epochs optimizer updates; the version counts steps, not updates). The learner
+trains the step that starts at version k (take(n, current_version=k)); that step makes version k + 1. A group
 generated with weights of version w and trained at version k has staleness k - w, which must be
 <= max_staleness. take() enforces this hard: a group found too stale is taken out and handed back
 separately, to be generated again (Collector.requeue); it is never silently evicted.
@@ -36,11 +37,15 @@ Capacity: put() blocks while the buffer holds `capacity` groups (with a timeout 
 ReplayBufferTimeout). Under the admission rule the buffer never holds more than (max_staleness + 1) * P,
 so that is the natural capacity; capacity must be >= prompts_per_step or no step could ever be taken.
 
-close(error): wakes every waiter. With an error (the actor died) put/take raise ReplayBufferClosed from
-it instead of waiting forever. Without one it means "the data is exhausted: no new prompts": take() then
-hands out what is left, possibly fewer than n, with drained=True, once nothing is reserved. Groups that
-grow too stale after that are still generated again: reserve() and put() stay open for them (a put
-needs a reservation then), and take() waits for what is reserved.
+The end of the data is not a failure, and the two are told apart:
+- finish(): the data is exhausted, no new prompts. What is reserved is still coming (groups in flight in
+  the generator finish over later decode chunks): put() takes those in, release() gives back the dropped
+  ones, and take() waits for them. take() hands out what is left, possibly fewer than n, with
+  drained=True, once nothing is reserved; with nothing left either, drained=True and no groups. Groups
+  that grow too stale after that are still generated again: reserve() and put() stay open for them (a
+  put needs a reservation then: one without is a caller's bug, ValueError).
+- close(error): the producer failed; every waiter wakes, and put/take/reserve raise ReplayBufferClosed
+  from `error` instead of waiting forever, whatever is reserved.
 
 Serialisation: to_state()/from_state() use plain JSON values only (arrays as {"__ndarray__": dtype,
 shape, data}); nothing is pickled, so loading a checkpoint never runs code. With an ArrayPool the arrays
@@ -62,7 +67,7 @@ STATE_FORMAT = "grpo_jax.replay_buffer/1"
 
 
 class ReplayBufferClosed(RuntimeError):
-    """The buffer was closed with an error (e.g. the actor died); raised from put/take/reserve."""
+    """The buffer was closed with an error (the actor died); raised from put/take/reserve, from that error."""
 
 
 class ReplayBufferTimeout(TimeoutError):
@@ -93,7 +98,7 @@ class Taken:
 
     groups: list
     too_stale: list
-    drained: bool = False  # closed without error: nothing more will come
+    drained: bool = False  # finished and nothing reserved: nothing more will come
 
 
 class ReplayBuffer:
@@ -113,7 +118,7 @@ class ReplayBuffer:
         self._groups: dict[int, Group] = {}
         self._reserved = 0
         self._learner_version = int(learner_version)
-        self._closed = False
+        self._finished = False  # finish(): no new prompts; what is reserved still comes
         self._error: BaseException | None = None
         # Restored groups that from_state(fits=...) left out, as (ordinal, reason): to be generated again.
         self.left_out: list[tuple[int, str]] = []
@@ -175,13 +180,16 @@ class ReplayBuffer:
 
     def put(self, group: Group, timeout: float | None = None) -> None:
         """Add a finished group; blocks while the buffer is full (ReplayBufferTimeout after `timeout`
-        seconds). Raises ReplayBufferClosed once closed, ValueError for an ordinal already present."""
+        seconds). Consumes a reservation if there is one; after finish() there must be one (ValueError
+        without). Raises ReplayBufferClosed once closed with an error, ValueError for an ordinal already present."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self._raise_if_failed()
-                if self._closed and self._reserved == 0:
-                    raise ReplayBufferClosed("put() without a reservation on a replay buffer closed for input")
+                if self._finished and self._reserved == 0:
+                    raise ValueError(f"put(ordinal {group.ordinal}) without a reservation after finish(): once the "
+                                     "data is exhausted only groups reserved before (in flight, or generated again) "
+                                     "may come")
                 if group.ordinal in self._groups:
                     raise ValueError(f"put(): a group for ordinal {group.ordinal} is already in the buffer")
                 if len(self._groups) < self.capacity:
@@ -200,8 +208,9 @@ class ReplayBuffer:
         Groups found too stale are taken out and returned in `too_stale` at once (with no groups if fewer
         than n fresh ones are there), so the caller can requeue them without waiting. After a successful
         take the next step is current_version + 1, which the admission rule uses from then on.
-        Closed with an error: raises ReplayBufferClosed. Closed without: returns what is left (possibly
-        fewer than n) with drained=True. Nothing within `timeout` seconds: ReplayBufferTimeout."""
+        After finish(): waits for the groups still reserved, then returns what is left (possibly fewer than n,
+        possibly none) with drained=True. Closed with an error: raises ReplayBufferClosed. Nothing within
+        `timeout` seconds: ReplayBufferTimeout."""
         if not 1 <= n <= self.capacity:
             raise ValueError(f"take({n}): n must be in 1..capacity={self.capacity}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -213,7 +222,7 @@ class ReplayBuffer:
                 for g in too_stale:
                     del self._groups[g.ordinal]
                 too_stale.sort(key=lambda g: g.ordinal)
-                if len(self._groups) >= n or (self._closed and self._reserved == 0 and self._groups):
+                if len(self._groups) >= n or (self._finished and self._reserved == 0 and self._groups):
                     taken = [self._groups.pop(o) for o in sorted(self._groups)[:n]]
                     drained = len(taken) < n
                     if not drained:
@@ -223,7 +232,7 @@ class ReplayBuffer:
                 if too_stale:
                     self._cond.notify_all()  # room freed for put()
                     return Taken([], too_stale)
-                if self._closed and self._reserved == 0:
+                if self._finished and self._reserved == 0:
                     return Taken([], [], drained=True)
                 if not self._wait(deadline):
                     raise ReplayBufferTimeout(
@@ -243,19 +252,26 @@ class ReplayBuffer:
             self._learner_version = int(current_version)
             self._cond.notify_all()
 
-    def close(self, error: BaseException | None = None) -> None:
-        """No more input; with `error`, the producer failed and every waiter raises ReplayBufferClosed."""
+    def finish(self) -> None:
+        """The data is exhausted: no new prompts. Reservations stay: the groups in flight still arrive (or are
+        released), and take() waits for them before it reports drained. Idempotent."""
         with self._cond:
-            self._closed = True
-            self._reserved = 0  # nothing in flight will ever arrive
-            if error is not None and self._error is None:
+            self._finished = True
+            self._cond.notify_all()
+
+    def close(self, error: BaseException) -> None:
+        """The producer failed with `error`: every waiter wakes, and put/take/reserve raise ReplayBufferClosed
+        from it (reservations no longer count: what they stood for will never arrive)."""
+        with self._cond:
+            if self._error is None:
                 self._error = error
             self._cond.notify_all()
 
     @property
     def closed(self) -> bool:
+        """No new prompts will come: finish() was called, or close(error)."""
         with self._cond:
-            return self._closed
+            return self._finished or self._error is not None
 
     def __len__(self) -> int:
         with self._cond:

@@ -3,11 +3,19 @@ template from `tokenizer_config.json`, without transformers.
 
 Chat templates are rendered the way transformers renders them (sandboxed jinja2, trim_blocks, lstrip_blocks,
 `raise_exception`, a non-HTML-escaping `tojson`), so prompts match what the checkpoint was trained on.
+
+Prompts are encoded as transformers encodes them (encode_prompt): a rendered chat template as is (it writes its
+own BOS; apply_chat_template(tokenize=True) adds nothing either), a plain prompt with the tokens that
+tokenizer.json's post-processor puts before a text, as `tokenizer(text)` does: the BOS of Llama 3's
+TemplateProcessing. (transformers' fast tokenizers follow the post-processor, not tokenizer_config.json's
+add_bos_token.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from datetime import datetime
 from pathlib import Path
@@ -94,6 +102,61 @@ def _compile_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+# What a lower bound on the token count may rely on (Tokenizer.min_tokens): pieces of the pipeline that keep every
+# character of the text (a pre-tokenizer that drops whitespace, or an added token that swallows it, would let a long
+# text be a few tokens).
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts")
+_LOCAL_NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace")
+
+
+def _flatten(component: dict | None) -> list[dict]:
+    """A normalizer or pre-tokenizer of tokenizer.json as the list of its parts (a Sequence's, in order)."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        parts = component.get("normalizers", component.get("pretokenizers", []))
+        return [leaf for part in parts for leaf in _flatten(part)]
+    return [component]
+
+
+def _max_token_bytes(spec: dict, normalize) -> int | None:
+    """The most bytes of normalized text one token can stand for, when every byte of the text ends up in some
+    token: a BPE over all 256 bytes (byte-level, or sentencepiece's byte_fallback) without subword affixes,
+    pre-tokenizers that keep every character, normalizers that act on single characters (Replace: of one
+    character) and added tokens that strip no whitespace. None when the tokenizer is not of that kind (then no
+    bound is claimed). normalize: the tokenizer's normalizer (an added token that is matched before
+    normalization still counts as its normalized content in a text normalized whole)."""
+    model = spec.get("model") or {}
+    if (model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict)
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
+        return None
+    vocab: dict = model["vocab"]
+    pre_tokenizers_ = _flatten(spec.get("pre_tokenizer"))
+    for part in pre_tokenizers_:
+        if part.get("type") not in _KEEPING_PRE_TOKENIZERS or part.get("behavior") == "Removed":
+            return None
+    if any(part["type"] == "ByteLevel" for part in pre_tokenizers_):
+        covers_all_bytes = all(c in vocab for c in _bytes_to_unicode().values())
+    else:
+        covers_all_bytes = bool(model.get("byte_fallback")) and all(f"<0x{b:02X}>" in vocab for b in range(256))
+    if not covers_all_bytes:
+        return None
+    for part in _flatten(spec.get("normalizer")):
+        if part.get("type") not in _LOCAL_NORMALIZERS:
+            return None
+        if part["type"] == "Replace" and len((part.get("pattern") or {}).get("String") or "") != 1:
+            return None  # a longer or regex pattern could match across an added token's edge
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    # A byte-level token's characters are bytes; counting their UTF-8 bytes (up to 2 each) only loosens the bound.
+    sizes = [len(token.encode("utf-8")) for token in vocab]
+    for token in added:
+        content = token.get("content", "")
+        sizes += [len(content.encode("utf-8")), len(normalize(content).encode("utf-8"))]
+    return max(sizes)
+
+
 class Tokenizer:
     """Encode/decode text, know the special ids, and render chat prompts."""
 
@@ -110,6 +173,26 @@ class Tokenizer:
         self._eos_ids = tuple(dict.fromkeys(eos + list(extra_eos_ids)))  # dedupe, keep order
         self._bos_id = self._id_of(bos_token, "bos_token") if bos_token is not None else None
         self._pad_id = self._id_of(pad_token, "pad_token") if pad_token is not None else pad_id
+        self._prompt_prefix = self._leading_special_ids()
+
+    def _leading_special_ids(self) -> tuple[int, ...]:
+        """The ids transformers' tokenizer(text) puts before a text: those the post-processor puts before a
+        single sequence (found on a probe text)."""
+        if self._tok.post_processor is None:
+            return ()
+        for probe in ("a", "0", " ", "x"):
+            encoding = self._tok.encode(probe, add_special_tokens=False)
+            if encoding.ids:
+                break
+        else:
+            return ()
+        processed = self._tok.post_processor.process(encoding)
+        prefix = []
+        for token_id, special in zip(processed.ids, processed.special_tokens_mask):
+            if not special:
+                break
+            prefix.append(token_id)
+        return tuple(prefix)
 
     def _id_of(self, token: str, role: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -226,9 +309,44 @@ class Tokenizer:
     # ---- use ----------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of text. add_special_tokens defaults to False (unlike transformers) because prompts come
-        from chat templates, which already contain the BOS; adding it again would double it."""
+        """Token ids of text. add_special_tokens defaults to False (unlike transformers): the ids of the text
+        alone. Prompts go through encode_prompt."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def prompt_prefix(self) -> tuple[int, ...]:
+        """The ids a plain prompt starts with (the BOS, for Llama 3); () when the post-processor adds none (Qwen)."""
+        return self._prompt_prefix
+
+    def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
+        """The ids of a prompt, as transformers gives them. chat: text is a rendered chat template, which writes
+        its own BOS, so it is encoded as is (as apply_chat_template(tokenize=True) does). Plain: prompt_prefix,
+        then the text (as tokenizer(text) does), unless the text already starts with it (a data.template that
+        writes the BOS itself: one BOS, not two). Tokens a post-processor puts after a text (an EOS) are not
+        added: a prompt is continued, not ended."""
+        ids = self.encode(text)
+        prefix = list(self._prompt_prefix)
+        if chat or not prefix or ids[:len(prefix)] == prefix:
+            return ids
+        return prefix + ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs no tokenization (one normalizer pass at most): the
+        UTF-8 bytes of the normalized text over the most bytes one token can stand for. 0 for tokenizers whose
+        pipeline may drop characters (see _max_token_bytes), for which no bound is claimed. What it is for:
+        refusing a prompt that cannot fit before tokenizing all of it."""
+        if not self._token_bytes_bound:
+            return 0
+        return math.ceil(len(self._normalize(text).encode("utf-8")) / self._token_bytes_bound)
+
+    @functools.cached_property
+    def _token_bytes_bound(self) -> int | None:
+        # Computed when first needed: parsing a large tokenizer.json takes a moment.
+        return _max_token_bytes(json.loads(self._tok.to_str()), self._normalize)
+
+    def _normalize(self, text: str) -> str:
+        normalizer = self._tok.normalizer
+        return normalizer.normalize_str(text) if normalizer is not None else text
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

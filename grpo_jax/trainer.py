@@ -42,12 +42,13 @@ from flax import nnx
 
 from grpo_jax.actor import Actor
 from grpo_jax.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
+from grpo_jax.cleanup import run_all
 from grpo_jax.collector import Collector, Prompt
 from grpo_jax.config import Config
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
-from grpo_jax.data import DataError, make_data_iterator
+from grpo_jax.data import FINGERPRINT_PREFIX, DataError, make_data_iterator
 from grpo_jax.distributed import HostAgreement, by_process
-from grpo_jax.errors import CheckpointError, TrainerError
+from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
 from grpo_jax.evaluation import EvalDuringTraining, Evaluator, held_out_records
 from grpo_jax.learner import Learner, mini_batch_of_row, pack_batch
 from grpo_jax.lora import base_identity, init_adapters, save_peft_adapter
@@ -185,38 +186,109 @@ def group_rows(groups: list[Group], group_size: int):
     return prompts, completions, logprobs, advantages
 
 
+def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
+    """[rows] bool, in group_rows' order: whether each row's reward was scored (a group's extras["valid"]; all
+    when it has none). Rows past the groups' (padding) are False. A failed row must train nothing, like
+    padding (pack_batch's `valid`): its advantage is 0, but left in the batch it would still count in every
+    loss denominator and get the KL gradient."""
+    out = np.zeros(rows, bool)
+    for i, group in enumerate(groups):
+        valid = group.extras.get("valid")
+        out[i * group_size:(i + 1) * group_size] = True if valid is None else np.asarray(valid, bool)[:group_size]
+    return out
+
+
 class StopSignals:
     """SIGTERM/SIGINT handling for a preemptible run: the first signal asks the learner to stop after the
-    current step (and save); a second exits the process at once. Only the main thread can install signal
-    handlers; elsewhere (a trainer run from a worker thread) this does nothing and stop() still works."""
+    current step (and save); a second exits the process at once (128 + the signal, one line on stderr).
+
+    Both act when the signal arrives, even while the main thread waits inside C++ (a collective, a device
+    step), where Python runs no signal handler until the call returns (and two signals meanwhile would
+    merge into one): the interpreter's C-level handler writes one byte per signal to a pipe
+    (signal.set_wakeup_fd), and a watchdog thread reads it. The Python-level handler reads it too, so that a
+    signal the main thread sends itself counts before its next line; each byte is read by one of them, so
+    each signal counts once. Only the main thread can install signal handlers; elsewhere (a trainer run
+    from a worker thread) this does nothing and stop() still works."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.received: int | None = None
+        self._signals = 0  # this process's own signals: a stop() asked by another process is not one of them
         self._previous: dict = {}
+        self._previous_wakeup_fd = -1
+        self._pipe: tuple[int, int] | None = None
+        self._watchdog: threading.Thread | None = None
+        self._reading = threading.RLock()  # the handler may run again inside itself (a signal during it)
+        self._active = False
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)  # set_wakeup_fd needs it (a signal handler must never block)
+        self._watchdog = threading.Thread(target=self._watch, name="grpo-stop-signals", daemon=True)
+        self._watchdog.start()
+        self._active = True
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._active = False  # from here on a signal is the previous handlers' (its byte may still come)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            os.write(self._pipe[1], b"\0")  # no signal is 0: tells the watchdog to end
+            self._watchdog.join()
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = self._watchdog = None
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            # Nothing more is written; the last committed checkpoint is where a resume starts.
-            os.write(2, f"grpo-jax: second {signal.Signals(signum).name}: exiting at once\n".encode())
-            os._exit(128 + signum)
-        self.received = signum
-        logger.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
-                       "(send it again to exit at once)", signal.Signals(signum).name)
+        self._count_pending()  # this signal's byte is already in the pipe (unless the watchdog took it)
+
+    def _watch(self) -> None:
+        import select
+
+        while True:
+            select.select([self._pipe[0]], [], [])
+            if not self._count_pending():
+                return
+
+    def _count_pending(self) -> bool:
+        """Count the signals whose bytes wait in the pipe; False once the end byte is read. Logs outside the
+        lock: the main thread may be inside logging when its handler runs."""
+        first = None
+        with self._reading:
+            try:
+                pending = os.read(self._pipe[0], 64)
+            except BlockingIOError:
+                pending = b""  # the other reader took them
+            for signum in pending:
+                if signum == 0:
+                    return False
+                if not self._active or signum not in self.SIGNALS:
+                    continue
+                self._signals += 1
+                name = signal.Signals(signum).name
+                if self._signals > 1:
+                    # Nothing more is written; the last committed checkpoint is where a resume starts.
+                    os.write(2, f"grpo-jax: second {name}: exiting at once without saving; a resume starts from the "
+                                f"last committed checkpoint\n".encode())
+                    os._exit(128 + signum)
+                self.received, first = signum, name
+        if first is not None:
+            logger.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
+                           "(send it again to exit at once)", first)
+        return True
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Ask for a preemption stop without a signal (tests, embedding code)."""
+        """Ask for a preemption stop without a signal (tests, embedding code, another process's signal)."""
         self.received = signum
 
 
@@ -224,11 +296,8 @@ class Trainer:
     def __init__(self, config: Config, run_dir: str | pathlib.Path | None = None):
         try:
             self._start(config, run_dir)
-        except BaseException:
-            try:
-                self.close()  # a refused start leaves no Grain worker, thread, open file or lock behind
-            except Exception:  # noqa: BLE001 - the start-up error is the one to report
-                logger.exception("while closing after a failed start")
+        except BaseException as e:
+            self.close(e)  # a refused start leaves no Grain worker, thread, open file or lock behind
             raise
 
     def _start(self, config: Config, run_dir: str | pathlib.Path | None) -> None:
@@ -273,10 +342,11 @@ class Trainer:
         elif config.loss.needs_reference:
             reference = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         self.learner = Learner(policy, config.optim, config.loss, reference_model=reference,
-                               temperature=config.sampler.temperature, adapters=adapters, dropout_seed=config.seed)
+                               temperature=config.sampler.temperature, adapters=adapters, dropout_seed=config.seed,
+                               top_k=config.sampler.top_k, top_p=config.sampler.top_p)
         self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
         self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
-        self.agreement = HostAgreement(learner_devices)
+        self.agreement = HostAgreement(learner_devices, timeout_s=config.trainer.collective_timeout())
         self._replicate = None  # the final model's export gathers one weight at a time (a sync never does)
         if self.processes > 1:
             self._replicate = jax.jit(lambda tree: tree, out_shardings=self.replicated)
@@ -338,7 +408,8 @@ class Trainer:
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards,
                            self.base_key, version=self.version,
-                           lockstep=HostAgreement(cut.actor) if cut.actor_spans_hosts else None)
+                           lockstep=HostAgreement(cut.actor, timeout_s=config.trainer.collective_timeout())
+                           if cut.actor_spans_hosts else None)
         if eval_records is not None:
             # Its own reward suite, so eval timeouts stay out of the training reward metrics.
             evaluator = Evaluator(config, self.tokenizer, eval_records,
@@ -348,18 +419,18 @@ class Trainer:
         self.stop_signals = StopSignals()
         self._frontier_of_save: dict[int, tuple[int, dict | None]] = {}
 
-    def close(self) -> None:
+    def close(self, failure: BaseException | None = None) -> None:
         """Release what the trainer opened: checkpoint manager, ledger file, sampler threads, data iterator
-        (Grain threads and worker processes) and the run-directory lock. Idempotent; train() calls it at the
-        end, __init__ when start-up fails."""
-        try:
-            for name in ("checkpoints", "ledger", "sampler", "iterator"):
-                resource = getattr(self, name, None)
-                if resource is not None:
-                    resource.close()
-        finally:
-            if getattr(self, "run_lock", None) is not None:
-                self.run_lock.release()
+        (Grain threads and worker processes) and the run-directory lock, each even if closing another fails.
+        Idempotent; train() calls it at the end, __init__ when start-up fails. `failure`: the error already
+        on its way out, which close() must not hide (its own failures are then logged, not raised)."""
+        evaluation = getattr(self, "evaluation", None)
+        resources = [getattr(self, name, None) for name in ("checkpoints", "ledger", "sampler", "iterator", "rewards")]
+        resources.append(evaluation.evaluator.rewards if evaluation is not None else None)
+        steps = [resource.close for resource in resources if resource is not None]
+        if getattr(self, "run_lock", None) is not None:
+            steps.append(self.run_lock.release)
+        run_all(steps, failure)
 
     def nothing_trained_error(self) -> TrainerError | None:
         """For a run that ended without a step: an error when it dropped every prompt it handed out (e.g. every
@@ -457,6 +528,14 @@ class Trainer:
                 f"{where} was trained {described(facts.get('lora'))}; this config has {described(now['lora'])} "
                 f"(model_path={self.config.model_path!r}): resume with the lora section and base model the run "
                 "was started with, or start a new run directory")
+        saved_fingerprint = str(facts.get("data_fingerprint"))
+        if (saved_fingerprint != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change
+                and not saved_fingerprint.startswith(FINGERPRINT_PREFIX)):
+            raise CheckpointError(
+                f"{where} was written by an earlier grpo_jax, whose data fingerprint ({saved_fingerprint}) did not "
+                "hash the data file's content, so this version cannot check that the data is the same. Finish the run "
+                "with the grpo_jax that started it, start a new run directory, or set "
+                "checkpoint.allow_data_change=true to keep the weights and optimizer and start a new data stream")
         if facts.get("data_fingerprint") != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change:
             raise CheckpointError(
                 f"{where} was written for another dataset, tokenizer, prompt format or shuffle (data fingerprint "
@@ -491,6 +570,8 @@ class Trainer:
         self.learner.nonfinite_total = int(meta["learner"]["nonfinite_total"])
         self.version = step
         self.resumed_from = step
+        # The restored step is on disk: a stop before the first new step must not save it again (Orbax refuses).
+        self.checkpoints.last_saved_step = step
         saved_collector = restored.collector.get("collector", {})
         if meta["facts"]["data_fingerprint"] != self.iterator.fingerprint:
             logger.warning("resuming weights and optimizer from step %d with another dataset/tokenizer/prompt "
@@ -585,6 +666,12 @@ class Trainer:
         """The ledger's checkpoint line, written once the step is committed on disk."""
         for step in steps:
             frontier, covers = self._frontier_of_save.pop(step)
+            if self.ledger.failed is not None:
+                # The step is committed and resumable (it covers only lines synced before it); the ledger takes no
+                # line after its failed one, so the audit's frontier stays at the previous checkpoint line.
+                logger.warning("checkpoint step %d is committed, but its ledger line cannot be written (%s)", step,
+                               self.ledger.failed)
+                continue
             self.ledger.checkpoint(step, frontier, covers)
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -632,6 +719,8 @@ class Trainer:
             taken = self.buffer.take(self.local_prompts, self.version,
                                      timeout=max(min(deadline - time.monotonic(), self.STOP_ROUND_S), 0.01))
         except ReplayBufferClosed as e:
+            if isinstance(e.__cause__, UserError):  # the actor stopped the run saying why (failing rewards, a full disk)
+                raise e.__cause__ from None
             raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
                                f"{e.__cause__!r}") from e.__cause__
         except ReplayBufferTimeout:
@@ -690,8 +779,10 @@ class Trainer:
                                "step %d", self.run_dir / "final_model", self.version)
                 try:
                     self._export_final_model()
-                finally:
-                    self.close()
+                except BaseException as e:
+                    self.close(e)
+                    raise
+                self.close()
             return []
         writer = None
         if self.process_index == 0:  # one metrics file per run (it reports process 0's groups)
@@ -699,11 +790,12 @@ class Trainer:
                 writer = MetricsWriter(self.run_dir, cfg.trainer.max_steps, start_step=self.version,
                                        progress=cfg.trainer.progress, tensorboard=cfg.trainer.tensorboard,
                                        wandb=cfg.trainer.wandb, run_config=config_to_dict(cfg))
-            except BaseException:
-                self.close()  # e.g. W&B refused to start: release the run directory's lock and the data workers
+            except BaseException as e:
+                self.close(e)  # e.g. W&B refused to start: release the run directory's lock and the data workers
                 raise
         history = []
         completed = False
+        failure: BaseException | None = None  # the error on its way out, which no cleanup step may hide
         try:
             with self.stop_signals:
                 try:
@@ -719,22 +811,29 @@ class Trainer:
                     completed = not self.preempted
                     if completed and self.evaluation is not None:
                         self._finish_evaluations(writer)
+                except BaseException as e:
+                    failure = e
+                    raise
                 finally:
+                    steps = []
                     if self.evaluation is not None:
-                        self.evaluation.cancel()  # a stop or an error does not wait for an evaluation
-                    self.actor.stop()
+                        steps.append(self.evaluation.cancel)  # a stop or an error does not wait for an evaluation
+                    steps.append(self.actor.stop)
                     # Saves already started still commit and get their ledger line, even after an error.
-                    self._record_commits(self.checkpoints.wait())
+                    steps.append(lambda: self._record_commits(self.checkpoints.wait()))
                     if completed:
-                        self._account_leftovers()
+                        steps.append(self._account_leftovers)
                     if writer is not None:
                         if self.evaluation is not None:
-                            self._write_evaluations(writer)  # those finished before a stop too
-                        writer.close()
+                            steps.append(lambda: self._write_evaluations(writer))  # those finished before a stop too
+                        steps.append(writer.close)
+                    run_all(steps, failure)
             if self.preempted:
                 logger.warning("stopped by %s after step %d; checkpoint step %d is committed: run the same command "
                                "to resume", signal.Signals(self.stop_signals.received).name, self.version, self.version)
             if self.actor.error is not None and not history:
+                if isinstance(self.actor.error, UserError):
+                    raise self.actor.error
                 raise TrainerError(f"the actor thread failed: {self.actor.error!r}") from self.actor.error
             if completed and not history:
                 error = self.nothing_trained_error()
@@ -742,8 +841,11 @@ class Trainer:
                     raise error
             if completed and history and cfg.trainer.save_final_model:
                 self._export_final_model()
+        except BaseException as e:
+            failure = failure or e
+            raise
         finally:
-            self.close()  # after the export: the run directory stays locked until final_model/ is written
+            self.close(failure)  # after the export: the run directory stays locked until final_model/ is written
         return history
 
     def _export_final_model(self) -> None:
@@ -765,10 +867,20 @@ class Trainer:
         # Default: the dtype the weights came in (the checkpoint's, or param_dtype from scratch).
         export_dtype = cfg.trainer.export_dtype or (
             checkpoint_config(cfg.model_path).param_dtype if cfg.model_path else cfg.model.param_dtype)
-        save_hf_model(model, self.run_dir / "final_model", tokenizer=self.tokenizer, dtype=export_dtype, fetch=fetch,
-                      write=self.process_index == 0)
-        if adapters is not None and self.process_index == 0:
-            save_peft_adapter(adapters, model.config, self.run_dir / "final_adapter", base_model_path=cfg.model_path)
+        try:
+            save_hf_model(model, self.run_dir / "final_model", tokenizer=self.tokenizer, dtype=export_dtype,
+                          fetch=fetch, write=self.process_index == 0)
+            if adapters is not None and self.process_index == 0:
+                save_peft_adapter(adapters, model.config, self.run_dir / "final_adapter",
+                                  base_model_path=cfg.model_path)
+        except OSError as e:
+            # config.json is written last: a resume of the finished run sees it missing and exports again.
+            steps = self.checkpoints.steps()
+            resume = (f"the last committed checkpoint is step {steps[-1]}: free space and run the same command to "
+                      + ("write final_model/ from it" if steps[-1] == self.version else "resume from it")
+                      ) if steps else "no checkpoint is committed: free space and run the same command again"
+            raise RunDirError(f"cannot write the final model to {self.run_dir} ({e.strerror or e}: {e.filename}); "
+                              f"{resume}") from e
 
     def _train_loop(self, writer: MetricsWriter) -> list[dict]:
         cfg = self.config
@@ -791,8 +903,11 @@ class Trainer:
             save_seconds = 0.0
             # Every process must take the same decisions (a save is collective): agree on any's wish, and
             # act on the agreed values only; a signal that arrives after this gather counts at the next step.
-            stop, due = self.agreement.gather([self.stop_signals.received is not None,
-                                               self.checkpoints.due(self.version)]).any(axis=0)
+            stop, due, lock_lost = self.agreement.gather([self.stop_signals.received is not None,
+                                                          self.checkpoints.due(self.version),
+                                                          self.run_lock.lost.is_set()]).any(axis=0)
+            # Another start took a process's run lock (run_lock.py): every process stops before saving.
+            self.run_lock.check(lost_elsewhere=bool(lock_lost))
             if stop and self.stop_signals.received is None:
                 self.stop_signals.stop()  # another process was signalled: stop here with it
             self.preempted = bool(stop)
@@ -841,7 +956,7 @@ class Trainer:
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
-                           self.prompt_bucket, self.completion_bucket)
+                           self.prompt_bucket, self.completion_bucket, valid=row_validity(groups, g, len(prompts)))
         # Committed to the learner's batch sharding, also on one process: an uncommitted batch leaves the
         # layout to the compiler, which may keep whole-batch tensors on every learner device. On several
         # processes these are this process's rows of the global batch.

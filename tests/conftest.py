@@ -31,3 +31,45 @@ def gsm8k_dir() -> pathlib.Path:
     if not (GSM8K_DIR / "train.jsonl").exists():
         pytest.fail(f"GSM8K test data not found at {GSM8K_DIR} (expected ../shared/data/gsm8k beside the repo)")
     return GSM8K_DIR
+
+
+class SmallDisk:
+    """A tmpfs of a few MiB mounted at `path`: `fill()` writes a filler file until the disk refuses a byte
+    (ENOSPC), `free()` removes it. A real full disk, not a mocked write."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.filler = path / ".filler"
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            for chunk in (65536, 512, 1):
+                try:
+                    while True:
+                        os.write(fd, b"x" * chunk)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """A SmallDisk of `request.param` MiB (default 32), or skip where tmpfs cannot be mounted (not root)."""
+    import subprocess
+
+    size_mib = getattr(request, "param", 32)
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk tests need root")
+    try:
+        yield SmallDisk(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

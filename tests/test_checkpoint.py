@@ -275,3 +275,27 @@ def test_meta_counts_the_buffered_groups_the_group_size_check_reads(saved_run):
         meta = json.loads((item / "meta" / "metadata").read_text())
         saved = json.loads((item / "collector" / "metadata").read_text())
         assert meta["buffered_groups"] == len(saved["buffer"]["ordinals"])
+
+
+def test_a_stop_after_a_resume_before_the_first_new_step_exits_as_preempted_without_saving_again(
+        saved_run, tmp_path, capsys):
+    run_dir = copy_of(saved_run, tmp_path)
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    trainer = Trainer(tiny_config(run_dir, "trainer.max_steps=4"))
+    assert trainer.resumed_from == 2
+    trainer.stop_signals.stop()  # what the SIGTERM handler does, before step 3 is trained
+    assert trainer.train() == [] and trainer.preempted
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == steps
+    assert audit(run_dir).ok
+    # The same command resumes from step 2 again and trains on.
+    assert [m["step"] for m in Trainer(tiny_config(run_dir, "trainer.max_steps=4")).train()] == [3, 4]
+    report = audit(run_dir)
+    assert report.ok and report.restarts == 2, report.summary()
+
+
+def test_a_checkpoint_with_a_fingerprint_of_the_earlier_format_is_refused_saying_so(saved_run, tmp_path):
+    trainer = Trainer(tiny_config(copy_of(saved_run, tmp_path), "trainer.max_steps=2"))
+    facts = {**trainer._resume_facts(), "data_fingerprint": "data-v1-aad256f4"}
+    trainer.close()
+    with pytest.raises(CheckpointError, match="earlier grpo_jax.*did not hash the data file's content"):
+        trainer._check_resumable({"step": 2, "facts": facts})

@@ -452,7 +452,7 @@ class SimulatedProcess:
                 progressed = self.finish(0)
             progressed = self.learn() or progressed
             if not progressed and not self.queue and self.collector.exhausted:
-                self.buffer.close()  # nothing more will come: train the short last step
+                self.buffer.finish()  # nothing more will come: train the short last step
                 assert self.learn(final=True)
         raise AssertionError("simulated run did not finish")
 

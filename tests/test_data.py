@@ -198,6 +198,12 @@ def test_tfds_prepared_subset_reads_back(tmp_path, gsm8k_dir, gsm8k_rows, tok):
     resumed = make_data_iterator(tfds_config, tok)
     resumed.set_state(json.loads(json.dumps(state)))
     assert _keys(_take(resumed, 10)) == _keys(_take(b_it, 10))
+    # A record over data.max_row_bytes (its serialized size) is refused before it is decoded.
+    limited = _take(make_data_iterator(dataclasses.replace(tfds_config, max_row_bytes=400), tok), 50)
+    refused = [r for r in limited if r.get("bad_row") == "row_too_large"]
+    assert 0 < len(refused) < 50 and all(r["detail"].endswith("bytes > data.max_row_bytes=400") for r in refused)
+    assert [r["row"] for r in limited if "row" in r] == [r["row"] for r in b[:50] if r["dataset_index"] not in
+                                                         {x["dataset_index"] for x in refused}]
     with pytest.raises(DataError, match="Unknown split 'test'"):
         make_data_iterator(dataclasses.replace(tfds_config, split="test"), tok)
     with pytest.raises(DataError, match="'nope' not found"):
@@ -326,3 +332,163 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="invalid config: path=''"):
         load_config(DataConfig, None, [])
     assert load_config(DataConfig, None, ["path=a.jsonl", "num_epochs=2"]).num_epochs == 2
+
+
+# ---- size limits: a huge row is refused by its size, unread (issue 20 item 6) ---------------------------------
+
+
+class SpyTokenizer(Tokenizer):
+    """The byte-level tokenizer, recording the length of every text it tokenizes."""
+
+    def __init__(self):
+        base = Tokenizer.byte_level()
+        super().__init__(base._tok, chat_template=base.chat_template, eos_token=base.eos_token,
+                         pad_token=base.pad_token, extra_eos_ids=base.eos_ids, source="spy")
+        self.encoded_lengths = []
+
+    def encode(self, text, add_special_tokens=False):
+        self.encoded_lengths.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_row_over_max_row_bytes_is_a_bad_row_that_is_never_read(tmp_path, monkeypatch):
+    big = json.dumps({"question": "x" * (3 << 20), "answer": "1"})
+    lines = [json.dumps({"question": "What is 2+2?", "answer": "4"}), big,
+             json.dumps({"question": "Last one", "answer": "9"})]
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    read_rows = []
+    raw = data.JsonlSource.raw
+    monkeypatch.setattr(data.JsonlSource, "raw", lambda self, i: read_rows.append(i) or raw(self, i))
+    tok = SpyTokenizer()
+    config = DataConfig(path=str(path), shuffle=False, num_epochs=1, max_prompt_len=100)
+    it = make_data_iterator(config, tok)
+    read_rows.clear()  # start-up hashes the first and last rows for the fingerprint
+    records = list(it)
+    assert [r.get("bad_row") for r in records] == [None, "row_too_large", None]
+    assert records[1]["detail"] == f"{len(big) + 1} bytes > data.max_row_bytes=1048576"  # the line with its newline
+    assert 1 not in read_rows and max(tok.encoded_lengths) < 100  # neither read nor tokenized
+    assert config.row_bytes_limit() == 1 << 20  # the default: max(1 MiB, 256 bytes * max_prompt_len)
+    # An explicit limit; Parquet measures a row by its values' bytes in the table, without copying them.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "q" * n, "answer": "a"} for n in (10, 500, 20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    records = list(make_data_iterator(DataConfig(source="parquet", path=str(tmp_path), shuffle=False, num_epochs=1,
+                                                 max_row_bytes=400), tok))
+    assert [r.get("bad_row") for r in records] == [None, "row_too_large", None]
+    assert records[1]["detail"].endswith("bytes > data.max_row_bytes=400")
+    assert DataConfig(path="x", max_row_bytes=-1).validate() == [
+        "max_row_bytes=-1: must be >= 0 (0: max(1 MiB, 256 * max_prompt_len))"]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tmp_path):
+    rows = [{"question": "x" * 300_000, "answer": "1"},  # under the 1 MiB row limit, far over 100 tokens
+            {"question": "y" * 150, "answer": "2"},  # over 100 characters, but not provably over 100 tokens
+            {"question": "z" * 50, "answer": "3"}]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    tok = SpyTokenizer()
+    records = list(make_data_iterator(DataConfig(path=str(path), shuffle=False, num_epochs=1, max_prompt_len=100),
+                                      tok))
+    assert [r.get("bad_row") for r in records] == ["prompt_too_long", "prompt_too_long", None]
+    # The byte-level tokenizer's tokens stand for at most 13 bytes (<|endoftext|>): 300000 / 13 -> 23077.
+    assert records[0]["detail"] == "at least 23077 tokens (300000 characters) > data.max_prompt_len=100"
+    assert records[1]["detail"] == "150 tokens > data.max_prompt_len=100"  # tokenized, counted exactly
+    assert 300_000 not in tok.encoded_lengths and 150 in tok.encoded_lengths
+
+
+# ---- a dataset edited between runs (issue 20 item 8) -------------------------------------------------------------
+
+
+def _edit_in_place(path, old: bytes, new: bytes):
+    """Replace bytes of one middle row with as many others: the file keeps its size."""
+    content = path.read_bytes()
+    assert len(old) == len(new) and content.count(old) == 1
+    path.write_bytes(content.replace(old, new))
+    assert path.stat().st_size == len(content)
+
+
+def test_a_dataset_edited_in_the_middle_is_another_dataset(tmp_path, gsm8k_rows, tok):
+    rows = gsm8k_rows["test"][:100]
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    config = DataConfig(path=str(path), template=TEMPLATE)
+    it = make_data_iterator(config, tok)
+    next(it)
+    state = it.get_state()
+    _edit_in_place(path, json.dumps(rows[50]).encode(), json.dumps({**rows[50], "answer": rows[50]["answer"]
+                                                                    .replace("#### ", "####_")}).encode())
+    edited = make_data_iterator(config, tok)
+    assert [json.loads(line) for line in path.read_text().splitlines()[::99]] == rows[::99]  # first, last rows
+    assert edited.rows == it.rows and edited.fingerprint != it.fingerprint
+    with pytest.raises(DataError, match="another dataset"):
+        edited.set_state(state)
+    assert state["fingerprint"].startswith(data.FINGERPRINT_PREFIX)
+    # Parquet: the file's bytes are hashed too.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet", compression="none")
+    parquet = dataclasses.replace(config, source="parquet", path=str(tmp_path))
+    before = dataset_fingerprint(parquet, tok)
+    question = rows[50]["question"].encode()
+    _edit_in_place(tmp_path / "train.parquet", question, question.upper())
+    table = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert table[::99] == rows[::99] and table[50] != rows[50]
+    assert dataset_fingerprint(parquet, tok) != before
+
+
+# ---- the BOS of a plain prompt, the same in training, evaluation and generate (issue 20 item 17) ------------------
+
+
+def test_plain_prompts_start_with_the_bos_in_training_evaluation_and_generate(tmp_path, gsm8k_rows, monkeypatch):
+    import transformers
+
+    from grpo_jax import cli, hf as hf_io, sampler
+    from grpo_jax.config import Config
+    from grpo_jax.evaluation import held_out_records
+    from test_tokenizer import BOT, write_llama3_like
+
+    path = write_llama3_like(tmp_path / "llama3")
+    tok, reference = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    bos = tok.token_to_id(BOT)
+    _write_jsonl(tmp_path / "train.jsonl", gsm8k_rows["train"][:20])
+    _write_jsonl(tmp_path / "test.jsonl", gsm8k_rows["test"][:5])
+    config = DataConfig(path=str(tmp_path), template=TEMPLATE, max_prompt_len=512)
+    for r in _take(make_data_iterator(config, tok), 10):
+        assert list(r["prompt_ids"]) == reference(r["prompt_text"])["input_ids"] and r["prompt_ids"][0] == bos
+    # Chat: the template's own BOS, once.
+    for r in _take(make_data_iterator(dataclasses.replace(config, prompt_format="chat"), tok), 10):
+        assert r["prompt_text"].startswith(BOT) and list(r["prompt_ids"]).count(bos) == 1
+    # A template that writes the BOS: one, not two.
+    r = next(make_data_iterator(dataclasses.replace(config, template=BOT + TEMPLATE), tok))
+    assert list(r["prompt_ids"]).count(bos) == 1 and r["prompt_ids"][0] == bos
+    # Evaluation encodes its held-out prompts the same way.
+    run_config = load_config(Config, pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml", [
+        "data.source=jsonl", f"data.path={tmp_path}", f"data.template={json.dumps(TEMPLATE)}", "data.prompt_field=question",
+        "data.max_prompt_len=512", "sampler.max_prompt_len=512", "eval.split=test", f"tokenizer={path}"])
+    for r in held_out_records(run_config, tok):
+        assert list(r["prompt_ids"]) == reference(r["prompt_text"])["input_ids"] and r["prompt_ids"][0] == bos
+    # So does `grpo-jax generate` (its sampler replaced by one that records the prompts it is given).
+    given = []
+
+    class RecordingSampler:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate(self, prompts, keys):
+            given.extend(prompts)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_io, "load_hf_model", lambda *args, **kwargs: (None, tok))
+    monkeypatch.setattr(sampler, "Sampler", RecordingSampler)
+    (tmp_path / "prompts.txt").write_text("What is 2+2?\n")
+    for chat in ([], ["--chat"]):
+        given.clear()
+        with pytest.raises(KeyboardInterrupt):
+            cli.cmd_generate(cli.build_parser().parse_args(
+                ["generate", "--model", str(path), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens",
+                 "4"] + chat))
+        text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]) if chat else "What is 2+2?"
+        assert given == [tok.encode_prompt(text, chat=bool(chat))] and given[0][0] == bos
+        assert given[0].count(bos) == 1

@@ -274,3 +274,66 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_evaluating(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"grpo-jax: error: --output={output}: cannot be written (No such file or directory); name a file "
                    "in an existing, writable directory"], err
+
+
+class _HeldBackSampler:
+    """Stands for the engine: weights pushed while `hold` is set are adopted only once it is cleared."""
+
+    def __init__(self):
+        self.version, self.hold, self._pending = 2, False, None
+
+    def update_params(self, state, version):
+        self._pending = version
+        if not self.hold:
+            self.version = version
+
+
+def _bare_actor(sampler):
+    import collections
+    import threading
+
+    from grpo_jax.actor import Actor
+    actor = object.__new__(Actor)  # only the side-job machinery: no model, data or thread
+    actor.sampler, actor.streaming, actor._version = sampler, True, sampler.version
+    actor._pending, actor._pushed, actor.lockstep = None, {}, None
+    actor._cond, actor._stop, actor._side_jobs = threading.Condition(), threading.Event(), collections.deque()
+    return actor
+
+
+def test_an_evaluation_queued_behind_another_runs_with_the_weights_it_was_requested_for():
+    # The learner pushes weights 4 and asks for the evaluation of step 4 while the actor evaluates step 2: that
+    # request must see version 4 (it used to run with version 2 and be skipped as a repeat: no final evaluation).
+    sampler = _HeldBackSampler()
+    actor, seen = _bare_actor(sampler), []
+
+    def evaluate_step_2(version):
+        seen.append(version)
+        actor.push_weights("weights of step 4", 4)
+        actor.submit_side_job(seen.append, min_version=4)
+
+    actor.submit_side_job(evaluate_step_2, min_version=2)
+    actor._run_side_jobs()
+    assert seen == [2, 4]
+
+    # Weights the engine holds back (slots still decoding, in-flight updates off): the job waits for them.
+    sampler.hold = True
+    actor.push_weights("weights of step 6", 6)
+    actor.submit_side_job(seen.append, min_version=6)
+    actor._run_side_jobs()
+    assert seen == [2, 4] and len(actor._side_jobs) == 1
+    sampler.hold, sampler.version = False, 6
+    actor._version = sampler.version  # the slots drained: the next engine step adopted them (_stream_one_chunk)
+    actor._run_side_jobs()
+    assert seen == [2, 4, 6] and not actor._side_jobs
+
+
+def test_the_evaluation_after_the_last_step_is_written_with_the_continuous_engine(tmp_path):
+    # The issue's command: async, the continuous engine, evaluations at 0, 2 and after the last step, 4.
+    assert main(["train", TINY, "--run-dir", str(tmp_path), "data.synthetic_min_digits=2",
+                 "data.synthetic_max_digits=2", "data.synthetic_size=50", "eval.num_prompts=8", "eval.samples=2",
+                 "eval.pass_k=2", "trainer.max_steps=4", "eval.every_steps=2", "trainer.progress=false",
+                 "trainer.tensorboard=false", "trainer.save_final_model=false", "model.hidden_size=32",
+                 "model.intermediate_size=64", "model.num_layers=1", "grpo.group_size=4",
+                 "grpo.prompts_per_step=4"]) == 0
+    rows = read_jsonl(tmp_path / "eval.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 4] and rows[-1]["eval/requested_step"] == 4

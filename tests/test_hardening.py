@@ -312,8 +312,11 @@ def test_the_lock_refuses_a_live_holder_and_takes_over_only_a_dead_one(tmp_path,
         RunDirLock(tmp_path).acquire()  # another host's process cannot be checked: fresh means alive
     for holder, age_s, reason in [
         (other_host, run_lock.STALE_AFTER_S + 5, "its host has not refreshed it"),
-        ({"host": socket.gethostname(), "pid": os.getpid(), "token": "an earlier process"}, 0, "earlier process"),
-        ({"host": socket.gethostname(), "pid": 1, "boot_id": "another boot", "token": "y"}, 0, "rebooted"),
+        ({"host": socket.gethostname(), "pid": os.getpid(), "boot_id": run_lock._boot_id(),
+          "pid_ns": run_lock._pid_namespace(), "token": "an earlier process"}, 0, "earlier process"),
+        # another boot: its pid means nothing, only the heartbeat tells (more in test_run_lock.py)
+        ({"host": socket.gethostname(), "pid": 1, "boot_id": "another boot", "token": "y"},
+         run_lock.STALE_AFTER_S + 5, "rebooted"),
     ]:
         plant(holder, age_s)
         caplog.clear()

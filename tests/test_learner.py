@@ -146,15 +146,11 @@ def test_pack_batch_layout():
 
 def test_schedule_warmup_then_cosine():
     schedule = learning_rate_schedule(OptimConfig(lr=1.0, warmup_steps=10, decay_steps=100, min_lr_ratio=0.1))
-    assert float(schedule(0)) == 0.0
-    assert float(schedule(5)) == pytest.approx(0.5)
+    assert float(schedule(0)) == pytest.approx(1 / 11)
+    assert float(schedule(5)) == pytest.approx(6 / 11)
     assert float(schedule(10)) == pytest.approx(1.0)
+    assert float(schedule(60)) == pytest.approx(0.55)
     assert float(schedule(110)) == pytest.approx(0.1)
-
-
-def test_schedule_counts_learner_steps_not_updates():
-    per_update = learning_rate_schedule(OptimConfig(lr=1.0, warmup_steps=10, mini_batches=2, epochs=2))
-    assert [float(per_update(u)) for u in (0, 3, 4, 20, 40)] == pytest.approx([0.0, 0.0, 0.1, 0.5, 1.0])
 
 
 def full_forward_logprobs(graphdef, params, batch: TrainBatch, rows, temperature: float):
@@ -276,3 +272,229 @@ def test_pack_batch_matches_a_row_by_row_reference(seed):
     with pytest.raises(ValueError, match="row 2: 7 tokens exceed the bucket of 6"):
         pack_batch(prompts, completions[:2] + [np.ones(7)] + completions[3:], logprobs, np.zeros(size), 0,
                    prompt_len, completion_len)
+
+
+# ---- samples whose reward failed train nothing (issue 20, item 15) ----------------------------------------
+
+
+def numpy_first_update_loss(logprobs, batch: TrainBatch, loss: LossConfig) -> float:
+    """The loss of a step's first update written out in NumPy (float64): ratio 1, so each token's policy loss
+    is -A * min(exp(proximal - behaviour), tis_cap), aggregated over the rows and tokens of loss_mask."""
+    mask = np.asarray(batch.loss_mask, np.float64)
+    lp = np.where(mask > 0, np.asarray(logprobs, np.float64), 0.0)
+    behaviour = np.asarray(batch.behaviour_logprobs, np.float64)
+    per_token = -np.asarray(batch.advantages, np.float64)[:, None] * np.minimum(np.exp(lp - behaviour), loss.tis_cap)
+    rows = mask.sum(axis=1) > 0
+    if loss.aggregation == "token_mean":
+        return float((per_token * mask).sum() / mask.sum())
+    norm = mask.sum(axis=1) if loss.aggregation == "seq_mean_token_mean" else loss.max_completion_len
+    return float(((per_token * mask).sum(axis=1)[rows] / np.broadcast_to(norm, rows.shape)[rows]).mean())
+
+
+def rows_of(seed: int, size: int):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, MODEL.vocab_size, rng.integers(2, PROMPT_LEN + 1)) for _ in range(size)]
+    completions = [rng.integers(1, MODEL.vocab_size, rng.integers(1, COMPLETION_LEN + 1)) for _ in range(size)]
+    behaviour = [rng.normal(-3.0, 0.3, len(c)) for c in completions]
+    return prompts, completions, behaviour, rng.normal(size=size)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_failed_rows_train_nothing_like_padding(aggregation):
+    # Half the rows failed (their advantage is garbage here, 0 in a run): the step must be the step of the valid
+    # rows alone, in loss, gradient and every metric that counts tokens or sequences.
+    loss = LossConfig(aggregation=aggregation, max_completion_len=COMPLETION_LEN, off_policy="tis", kl_coef=0.1)
+    optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0)  # update ~ gradient (see the accumulation test)
+    prompts, completions, behaviour, advantages = rows_of(21, 8)
+    valid = np.array([True, False, True, True, False, False, True, False])
+    mixed = pack_batch(prompts, completions, behaviour, advantages, 0, PROMPT_LEN, COMPLETION_LEN, valid=valid)
+    keep = np.flatnonzero(valid)
+    alone = pack_batch([prompts[i] for i in keep], [completions[i] for i in keep], [behaviour[i] for i in keep],
+                       advantages[keep], 0, PROMPT_LEN, COMPLETION_LEN)
+    assert np.asarray(mixed.loss_mask)[~valid].sum() == 0
+    results = []
+    for batch in (mixed, alone):
+        # A reference model with other weights, so the KL term has a gradient the failed rows could add to.
+        learner = Learner(create_model(MODEL, seed=1), optim, loss, reference_model=create_model(MODEL, seed=2))
+        graphdef, params = nnx.split(learner.model())
+        start = params_of(learner)
+        logprobs = full_forward_logprobs(graphdef, params, batch, np.arange(batch.advantages.shape[0]), 1.0)
+        metrics, applied = learner.step(batch)
+        assert applied.all()
+        results.append((metrics, jax.tree.map(lambda a, b: a - b, params_of(learner), start), logprobs))
+    (m_mixed, d_mixed, lp_mixed), (m_alone, d_alone, _) = results
+    pg_mixed = numpy_first_update_loss(lp_mixed, mixed, loss)
+    assert m_mixed["pg_loss"] == pytest.approx(pg_mixed, rel=1e-4, abs=1e-6)
+    assert m_mixed["pg_loss"] == pytest.approx(m_alone["pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_mixed["loss"] == pytest.approx(m_alone["loss"], rel=1e-5, abs=1e-7)
+    assert m_mixed["kl/mean"] == pytest.approx(m_alone["kl/mean"], rel=1e-5) and m_mixed["kl/mean"] > 0
+    assert m_mixed["grad_norm"] == pytest.approx(m_alone["grad_norm"], rel=1e-5)
+    moved = max(float(np.abs(x).max()) for x in jax.tree.leaves(d_alone))
+    assert moved > 1e-3 and max_param_diff(d_mixed, d_alone) < 1e-5 * moved
+    for key in ("num_tokens", "num_seqs", "entropy", "advantage/mean", "tis/weight_mean"):
+        assert m_mixed[key] == pytest.approx(m_alone[key], rel=1e-5), key
+    assert m_alone["num_seqs"] == valid.sum()
+
+
+def test_the_trainer_rows_carry_each_samples_validity():
+    from grpo_jax.replay_buffer import Group
+    from grpo_jax.trainer import group_rows, row_validity
+    groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([3, 4])}, completions=[np.array([5, 6])] * 3,
+                    behaviour_logprobs=[np.array([-1.0, -1.0])] * 3, rewards=np.zeros(3, np.float32),
+                    weight_version=0, extras={"advantages": np.zeros(3, np.float32), "valid": valid})
+              for i, valid in enumerate([np.array([True, False, True]), np.array([False, True, True])])]
+    valid = row_validity(groups, 3, rows=8)  # two rows of padding after the six of the groups
+    assert valid.tolist() == [True, False, True, False, True, True, False, False]
+    prompts, completions, logprobs, advantages = group_rows(groups, 3)
+    batch = pack_batch(prompts + [np.array([0])] * 2, completions + [np.zeros(0)] * 2, logprobs + [np.zeros(0)] * 2,
+                       np.concatenate([advantages, np.zeros(2)]), 0, 4, 4, valid=valid)
+    assert (np.asarray(batch.loss_mask).sum(axis=1) > 0).tolist() == valid.tolist()
+
+
+# ---- the learner's policy is the sampler's truncated distribution (item 16) -------------------------------
+
+
+def numpy_truncated_logprobs(logits, temperature, top_k, top_p):
+    """[V] log-probs after temperature, then top-k, then top-p on the renormalised top-k mass (sorted; keep
+    while the mass before a token is < top_p), renormalised (as test_sampler's reference)."""
+    x = logits.astype(np.float64) / temperature
+    if top_k:
+        x = np.where(x >= np.sort(x)[-top_k], x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p)
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, bool)
+        keep[order[before < top_p]] = True
+        p = np.where(keep, p, 0)
+        p /= p.sum()
+    with np.errstate(divide="ignore"):
+        return np.log(p)
+
+
+@pytest.mark.parametrize("top_k, top_p, temperature", [(0, 0.9, 1.0), (5, 1.0, 0.7), (8, 0.6, 1.3), (0, 1.0, 0.8)])
+def test_tempered_logprobs_truncate_like_the_sampler(top_k, top_p, temperature):
+    from grpo_jax.learner import tempered_logprobs
+    rng = np.random.default_rng(top_k + int(10 * top_p))
+    logits = rng.normal(0, 3.0, (6, 40)).astype(np.float32)
+    expected = np.stack([numpy_truncated_logprobs(row, temperature, top_k, top_p) for row in logits])
+    kept = np.isfinite(expected)
+    # Targets: a kept token in each row but the last, whose target is one the truncation drops (when it drops
+    # any): it counts as kept, so its log-prob stays finite (weights or logits that moved since sampling).
+    targets = np.array([rng.choice(np.flatnonzero(k)) for k in kept])
+    dropped = np.flatnonzero(~kept[-1])
+    if len(dropped):
+        targets[-1] = dropped[0]
+    logprobs, entropy = tempered_logprobs(jnp.asarray(logits), jnp.asarray(targets), temperature, top_k, top_p,
+                                          with_entropy=True)
+    logprobs, entropy = np.asarray(logprobs), np.asarray(entropy)
+    np.testing.assert_allclose(logprobs[:-1], expected[np.arange(5), targets[:-1]], atol=2e-5)
+    last = expected[-1].copy()
+    if len(dropped):  # the kept set plus the target, renormalised
+        x = logits[-1].astype(np.float64) / temperature
+        last = x - np.log(np.exp(x[kept[-1] | (np.arange(40) == targets[-1])]).sum())
+    np.testing.assert_allclose(logprobs[-1], last[targets[-1]], atol=2e-5)
+    p = np.where(kept, np.exp(np.where(kept, expected, 0.0)), 0.0)
+    np.testing.assert_allclose(entropy[:-1], -(p * np.where(kept, expected, 0.0)).sum(-1)[:-1], atol=1e-4)
+    assert np.all(np.isfinite(entropy))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (6, 1.0), (10, 0.8)])
+def test_importance_weight_is_one_at_staleness_zero_with_top_p_and_top_k(top_k, top_p):
+    from grpo_jax.sampler import Sampler, SamplerConfig
+    temperature, size = 0.9, 8
+    model = create_model(MODEL, seed=3)
+    # Sharpen the output distribution (random init gives near-uniform logits), so that the truncation cuts
+    # off real mass: without it in the learner, the importance weights would average well below 1.
+    model.lm_head.set_value(model.lm_head.get_value() * 8.0)
+    config = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=COMPLETION_LEN,
+                           max_prompt_len=PROMPT_LEN, decode_streams=1)
+    sampler = Sampler(model, eos_ids=(), pad_id=0, config=config)
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(1, MODEL.vocab_size, rng.integers(2, PROMPT_LEN + 1))) for _ in range(size)]
+    result = sampler.generate(prompts, jax.random.split(jax.random.key(5), size))
+    sampler.close()
+    completions = [result.tokens[i, :result.lengths[i]] for i in range(size)]
+    behaviour = [result.logprobs[i, :result.lengths[i]] for i in range(size)]
+    batch = pack_batch(prompts, completions, behaviour, rng.normal(size=size), 0, PROMPT_LEN, COMPLETION_LEN)
+    mask = np.asarray(batch.loss_mask) > 0
+    learner = Learner(model, OptimConfig(lr=1e-3), LossConfig(), temperature=temperature, top_k=top_k, top_p=top_p)
+    own = token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature, top_k=top_k,
+                         top_p=top_p)[0]
+    untruncated = token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature)[0]
+    gap = np.abs(np.asarray(own) - np.asarray(batch.behaviour_logprobs))[mask]
+    kept_mass = np.exp(np.asarray(untruncated) - np.asarray(batch.behaviour_logprobs))[mask]
+    metrics, _ = learner.step(batch)
+    print(f"top_k {top_k} top_p {top_p}: max |learner - behaviour| {gap.max():.2e}, tis/weight_mean "
+          f"{metrics['tis/weight_mean']:.7f}, tis/mismatch_kl {metrics['tis/mismatch_kl']:.2e}, kept mass "
+          f"{kept_mass.mean():.4f}")
+    assert kept_mass.mean() < 0.97  # the check can fail: the truncation really cuts off mass here
+    assert gap.max() < 2e-5
+    assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["tis/weight_max"] == pytest.approx(1.0, abs=2e-5)
+    assert abs(metrics["tis/mismatch_kl"]) < 1e-7
+
+
+# ---- the learning-rate schedule (items 19, 20) --------------------------------------------------------------
+
+
+def test_warmup_starts_above_zero_and_reaches_lr_at_warmup_steps():
+    schedule = learning_rate_schedule(OptimConfig(lr=1.0, warmup_steps=4, decay_steps=100, min_lr_ratio=0.1))
+    assert [float(schedule(s)) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0], rel=1e-6)
+    assert float(schedule(104)) == pytest.approx(0.1)
+    # The first learner step trains.
+    learner = Learner(create_model(MODEL, seed=1), OptimConfig(lr=1e-2, warmup_steps=10), LossConfig())
+    start = params_of(learner)
+    metrics, _ = learner.step(random_batch(0))
+    assert metrics["lr"] == pytest.approx(1e-2 / 11) and max_param_diff(start, params_of(learner)) > 1e-4
+
+
+def sign_step_learner(optim: OptimConfig) -> Learner:
+    # b1 = b2 = 0 and a tiny eps: Adam's update is lr * g / |g|, so a weight with a gradient moves by the rate
+    # itself and the step's largest move reads out the rate it was applied at.
+    return Learner(create_model(MODEL, seed=1), dataclasses.replace(optim, b1=0.0, b2=0.0, eps=1e-12, grad_clip=0.0),
+                   LossConfig())
+
+
+def test_a_skipped_update_does_not_shift_later_steps_learning_rates():
+    optim = OptimConfig(lr=1.0, warmup_steps=4, mini_batches=2)
+    schedule = learning_rate_schedule(optim)
+    learner = sign_step_learner(optim)
+    # Mini-batch 1 (rows 1, 3) has advantage 0: no gradient, so it moves nothing and each step's move is its
+    # mini-batch 0's update. Step 1: mini-batch 0 is NaN and skipped.
+    bad = dataclasses.replace(random_batch(1), advantages=jnp.array([np.nan, 0.0, 1.0, 0.0]))
+    _, applied = learner.step(bad)
+    assert applied.tolist() == [False, True]
+    for step in (1, 2, 3):
+        before = params_of(learner)
+        good = dataclasses.replace(random_batch(step + 1), advantages=jnp.array([1.0, 0.0, -0.5, 0.0]))
+        metrics, applied = learner.step(good)
+        assert applied.all()
+        move = max_param_diff(before, params_of(learner))
+        assert move == pytest.approx(float(schedule(step)), rel=1e-4), step
+        assert metrics["lr"] == pytest.approx(float(schedule(step)))
+    assert learner._step._cache_size() == 1  # the step index is an argument: one program for every step
+
+
+# ---- smaller (item 21) ---------------------------------------------------------------------------------------
+
+
+def test_token_and_sequence_counts_are_the_batchs_whatever_the_split():
+    batch = random_batch(8, size=8)
+    tokens, seqs = float(np.asarray(batch.loss_mask).sum()), 8.0
+    for optim in (OptimConfig(lr=1e-3, micro_batch_size=1), OptimConfig(lr=1e-3, mini_batches=2, epochs=3,
+                                                                        micro_batch_size=2)):
+        metrics, _ = Learner(create_model(MODEL, seed=1), optim, LossConfig()).step(batch)
+        assert (metrics["num_tokens"], metrics["num_seqs"]) == (tokens, seqs), optim
+
+
+def test_greedy_sampling_is_refused_for_training():
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import ConfigError, build_config
+    with pytest.raises(ConfigError) as info:
+        build_config(Config, {"tokenizer": "byte"}, ["sampler.temperature=0"])
+    message = str(info.value)
+    assert "sampler.temperature=0" in message and "eval.temperature" in message and "\n" not in message
+    # Evaluation's temperature is its own (its pass@1 is greedy whatever the sampler's).
+    assert build_config(Config, {"tokenizer": "byte"}, ["sampler.temperature=0.5"]).eval.temperature == 1.0

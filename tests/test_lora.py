@@ -18,7 +18,7 @@ from grpo_jax.config import Config
 from grpo_jax.config_io import ConfigError, build_config, load_config
 from grpo_jax.errors import CheckpointError
 from grpo_jax.hf import load_hf_model, save_hf_model
-from grpo_jax.learner import Learner, OptimConfig, pack_batch
+from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs
 from grpo_jax.lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, TARGETS, LoraConfig, init_adapters,
                            merge_adapters, save_peft_adapter)
 from grpo_jax.losses import LossConfig
@@ -181,6 +181,35 @@ def test_dropout_acts_in_the_gradient_pass_only():
         learner.step(random_batch(0))
         updates.append(host(learner.params))
     assert max(np.abs(a - b).max() for a, b in zip(*updates)) > 1e-6
+
+
+@pytest.mark.parametrize("mini_batches, epochs", [(1, 1), (2, 2)])
+def test_dropout_stays_out_of_the_importance_weight_and_the_ratio(mini_batches, epochs):
+    # At staleness 0 (behaviour = the adapted policy's own log-probs, as the sampler computes them: no dropout)
+    # and lr 0, dropout must not show in any value: the importance weight is 1 (one update a step, where the
+    # proximal log-probs were the dropout pass's own) and the ratio is 1, so the clip never binds (several updates,
+    # where the current log-probs carried the dropout noise), while the gradient still comes with dropout.
+    lora = dataclasses.replace(LORA, dropout=0.5)
+    adapters = randomized(init_adapters(MODEL, lora, seed=0))  # B != 0: dropout changes the adapters' output
+    model = create_model(MODEL, seed=0)
+    batch = random_batch(3, size=8)
+    own = token_logprobs(model, batch.tokens, batch.input_mask, adapters=adapters)[0]
+    batch = dataclasses.replace(batch, behaviour_logprobs=np.where(batch.loss_mask > 0, np.asarray(own), 0.0))
+    optim = OptimConfig(lr=0.0, mini_batches=mini_batches, epochs=epochs)
+    learner = Learner(model, optim, LossConfig(clip_low=0.2, clip_high=0.2), adapters=adapters, dropout_seed=1)
+    metrics, applied = learner.step(batch)
+    assert applied.all()
+    print(f"{mini_batches} x {epochs}: tis/weight_mean {metrics['tis/weight_mean']:.7f}, ratio/min "
+          f"{metrics['ratio/min']:.7f} max {metrics['ratio/max']:.7f}, clip {metrics['clip/frac_low']:.3f} / "
+          f"{metrics['clip/frac_high']:.3f}, grad_norm {metrics['grad_norm']:.3g}")
+    assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["tis/weight_max"] == pytest.approx(1.0, abs=1e-5) and abs(metrics["tis/mismatch_kl"]) < 1e-7
+    assert metrics["ratio/min"] == pytest.approx(1.0, abs=1e-5) and metrics["ratio/max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["clip/frac_low"] == 0.0 and metrics["clip/frac_high"] == 0.0
+    # The gradient is the dropout pass's: other dropout masks (another seed) give another gradient.
+    other = Learner(create_model(MODEL, seed=0), optim, LossConfig(clip_low=0.2, clip_high=0.2),
+                    adapters=randomized(init_adapters(MODEL, lora, seed=0)), dropout_seed=2)
+    assert other.step(batch)[0]["grad_norm"] != pytest.approx(metrics["grad_norm"], rel=1e-4)
 
 
 def test_adapter_shardings_follow_the_weights_axes():

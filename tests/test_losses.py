@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from grpo_jax.losses import LossConfig, aggregate, policy_loss
+from grpo_jax.losses import LossConfig, aggregate, kl_per_token, policy_loss
 
 B, T = 5, 7
 
@@ -303,3 +303,50 @@ def test_validate():
                     "dual_clip", "tis_cap"]
     assert problems[0] == "loss_type='ppo': allowed grpo, gspo"
     assert LossConfig(aggregation="seq_mean_token_sum_norm").validate()[0].startswith("max_completion_len=0")
+
+
+# ---- settings that are valid but train something else than intended (issue 20, item 21) -------------------
+
+
+def config_warnings(*overrides):
+    from grpo_jax.config import Config
+    from grpo_jax.config_io import build_config
+    return build_config(Config, {"tokenizer": "byte"}, list(overrides)).warnings()
+
+
+def test_gspo_with_token_mean_is_warned_and_its_sequence_level_aggregation_is_not():
+    (warning,) = [w for w in config_warnings("loss.loss_type=gspo") if "gspo" in w]
+    assert warning.startswith("loss.loss_type=gspo with loss.aggregation=token_mean:")
+    assert "loss.aggregation=seq_mean_token_mean" in warning
+    assert not [w for w in config_warnings("loss.loss_type=gspo", "loss.aggregation=seq_mean_token_mean")
+                if "gspo" in w]
+    # Why: with token_mean a sequence's term weighs by its length; GSPO's objective weighs each sequence once.
+    b = make_batch(seed=12, garbage=False)
+    lengths = b["mask"].sum(axis=1)
+    assert len(set(lengths[lengths > 0])) > 1
+    seq_mean, _ = call(b, config_for("gspo", "seq_mean_token_mean", None, "none", 0.0))
+    token_mean, _ = call(b, config_for("gspo", "token_mean", None, "none", 0.0))
+    pg, _, _ = reference(b, config_for("gspo", "seq_mean_token_mean", None, "none", 0.0))
+    rows = lengths > 0
+    per_sequence = np.array([pg[i, 0] for i in np.flatnonzero(rows)])  # GSPO: one term per sequence
+    np.testing.assert_allclose(float(seq_mean), per_sequence.mean(), rtol=1e-5)
+    assert abs(float(token_mean) - per_sequence.mean()) > 1e-3
+
+
+def test_k1_kl_as_a_loss_is_warned_and_its_expected_gradient_is_zero():
+    (warning,) = [w for w in config_warnings("loss.kl_coef=0.1", "loss.kl_estimator=k1") if "kl_estimator" in w]
+    assert warning.startswith("loss.kl_estimator=k1 with loss.kl_coef=0.1: as a loss term k1") and "k3" in warning
+    assert not [w for w in config_warnings("loss.kl_coef=0.1") if "kl_estimator" in w]  # k3, the default
+    assert not [w for w in config_warnings("loss.kl_estimator=k1") if "kl_estimator" in w]  # no KL term at all
+    # Why: d/dtheta of E_{a ~ pi}[log pi(a) - log ref(a)] through the samples' log-probs is E[grad log pi] = 0.
+    # Exactly, over a categorical pi = softmax(theta): sum_a pi(a) * d k1(a) / d theta = 0 for k1, not for k2.
+    rng = np.random.default_rng(0)
+    theta, ref = jnp.asarray(rng.normal(size=7)), jnp.asarray(jax.nn.log_softmax(rng.normal(size=7)))
+    pi = jax.nn.softmax(theta)
+
+    def expected_gradient(estimator):
+        per_token = jax.jacobian(lambda t: kl_per_token(jax.nn.log_softmax(t), ref, estimator))(theta)
+        return np.asarray(pi @ per_token)
+
+    np.testing.assert_allclose(expected_gradient("k1"), 0.0, atol=1e-6)
+    assert np.abs(expected_gradient("k2")).max() > 1e-2

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from grpo_jax.distributed import EXIT_COLLECTIVE_TIMEOUT
+from test_distributed import read_until
 from test_trainer import FAST, REPO
 
 MAX_STEPS = 10
@@ -165,3 +167,57 @@ def test_an_actor_across_hosts_accounts_for_every_prompt_when_the_data_runs_out(
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "prompts handed out:   30" in audit.stdout and "lost:                 0" in audit.stdout
     assert "trained twice:        0" in audit.stdout and "run_ended" not in audit.stdout
+
+
+# Process 1 is alive (its heartbeats go on) but does not come to the second agreement: process 0 waits in it,
+# inside the collective, where Python runs no signal handler.
+LATE_PEER = r"""
+import sys, time
+import jax
+process, port, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process,
+                           heartbeat_timeout_seconds=10, initialization_timeout=60, shutdown_timeout_seconds=5)
+from grpo_jax.distributed import HostAgreement
+agreement = HostAgreement(jax.devices(), timeout_s=timeout_s)
+assert agreement.gather([process]).tolist() == [[0], [1]]
+if process == 1:
+    time.sleep(120)
+    sys.exit(0)
+from grpo_jax.trainer import StopSignals
+with StopSignals() as signals:
+    print("waiting", flush=True)
+    agreement.gather([process])
+"""
+
+
+def test_an_agreement_with_a_live_but_stuck_peer_ends_after_the_collective_timeout(tmp_path):
+    port, timeout_s = free_port(), 6
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    procs = [subprocess.Popen([sys.executable, "-c", LATE_PEER, str(p), str(port), str(timeout_s)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for p in (0, 1)]
+    try:
+        while (line := procs[0].stdout.readline()) not in (b"waiting\n", b""):
+            pass  # gloo's own lines
+        assert line == b"waiting\n", procs[0].stderr.read().decode()[-3000:]
+        waiting = time.monotonic()
+        time.sleep(1)
+        # A signal while blocked in the collective is taken at once (a stop asked for, the wait goes on) ...
+        procs[0].send_signal(signal.SIGTERM)
+        assert "received SIGTERM" in read_until(procs[0], "received SIGTERM", 5)
+        assert procs[0].poll() is None
+        # ... and the wait itself ends at the timeout: one line naming the agreement and the absent process.
+        assert procs[0].wait(timeout_s + 20) == EXIT_COLLECTIVE_TIMEOUT
+        waited = time.monotonic() - waiting
+        assert timeout_s - 1 <= waited < timeout_s + 10
+        lines = [x for x in procs[0].stderr.read().decode().splitlines() if x.strip()]
+        assert lines[-1].startswith("grpo-jax: error: ") and len([x for x in lines if "error" in x]) == 1, lines
+        gather_line = LATE_PEER.splitlines().index("    agreement.gather([process])") + 1
+        for part in (f"<module> (<string>:{gather_line})", "round 2", f"{timeout_s}s", "process(es) 1 did not arrive",
+                     "last committed checkpoint"):
+            assert part in lines[-1], (part, lines[-1])
+        assert procs[1].poll() is None  # the late one was alive all along
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -1,5 +1,6 @@
 """Replay buffer: staleness bound, regeneration, admission arithmetic, max_staleness 0 = synchronous GRPO,
-close() waking waiters, plain-JSON checkpoints. No JAX."""
+finish() at the end of the data (groups in flight still arrive), close(error) waking waiters,
+plain-JSON checkpoints. No JAX."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 
@@ -193,24 +196,56 @@ def test_close_with_an_error_wakes_waiters_with_a_clear_error(waiter):
         b.reserve(1, 0)
 
 
-def test_close_without_error_drains_a_short_last_step():
+def test_finish_lets_the_groups_in_flight_arrive_and_then_drains_a_short_last_step():
+    # The data ran out while three groups were being generated (a continuous engine decodes groups over
+    # several chunks): they still arrive, one is dropped, and take() waits for them before the short step.
     b = ReplayBuffer(capacity=4, max_staleness=1, prompts_per_step=4)
-    assert b.reserve(2, 0)
+    assert b.reserve(3, 0)
     b.put(group(3))
-    b.close()  # the actor finished: the group still reserved will never come
+    b.finish()
+    assert b.closed and b.reserved == 2
+    with pytest.raises(ReplayBufferTimeout):
+        b.take(4, current_version=0, timeout=0.05)  # two groups still in flight: not drained yet
+    b.put(group(4))
+    b.release(1)  # the third was dropped (e.g. overlong)
     taken = b.take(4, current_version=0, timeout=0)
-    assert [g.ordinal for g in taken.groups] == [3] and taken.drained
+    assert [g.ordinal for g in taken.groups] == [3, 4] and taken.drained
     assert b.take(4, current_version=1, timeout=0) == type(taken)([], [], drained=True)
-    with pytest.raises(ReplayBufferClosed, match="without a reservation"):
-        b.put(group(4))
+    with pytest.raises(ValueError, match="without a reservation"):
+        b.put(group(5))  # after finish() only reserved groups may come
+    b.finish()  # idempotent
+    assert b.take(4, current_version=1, timeout=0).drained
 
 
-def test_after_close_a_group_generated_again_is_waited_for_and_taken():
+def test_finish_wakes_a_take_waiting_for_a_full_step():
+    b = ReplayBuffer(capacity=4, max_staleness=1, prompts_per_step=4)
+    b.put(group(0))
+    results = []
+    t = threading.Thread(target=lambda: results.append(b.take(4, current_version=0)), daemon=True)
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive()
+    b.finish()
+    t.join(5)
+    assert not t.is_alive() and [g.ordinal for g in results[0].groups] == [0] and results[0].drained
+
+
+def test_close_needs_the_error_that_ended_the_producer():
+    b = ReplayBuffer(capacity=4, max_staleness=1, prompts_per_step=4)
+    with pytest.raises(TypeError):
+        b.close()  # the normal end of the data is finish(), which keeps what is in flight
+    assert b.reserve(2, 0)
+    b.close(RuntimeError("actor died"))
+    with pytest.raises(ReplayBufferClosed, match="actor died"):
+        b.put(group(0))  # a reservation does not keep a failed buffer open
+
+
+def test_after_finish_a_group_generated_again_is_waited_for_and_taken():
     # A group that grew too stale after the data ran out is generated again: take() waits for its
     # reservation instead of ending the run without it.
     b = ReplayBuffer(capacity=4, max_staleness=0, prompts_per_step=2)
     b.put(group(0, weight_version=0))
-    b.close()
+    b.finish()
     taken = b.take(2, current_version=1, timeout=0)
     assert taken.groups == [] and [g.ordinal for g in taken.too_stale] == [0]
     assert b.reserve(1, 1)  # the actor regenerates ordinal 0 with version 1
@@ -220,6 +255,57 @@ def test_after_close_a_group_generated_again_is_waited_for_and_taken():
     b.put(group(0, weight_version=1))
     taken = b.take(2, current_version=1, timeout=0)
     assert [g.ordinal for g in taken.groups] == [0] and taken.drained
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["admit", "put", "drop", "take"]), max_size=60), st.integers(0, 60),
+       st.integers(1, 4), st.randoms(use_true_random=False))
+def test_every_reserved_group_is_trained_once_or_dropped_whatever_the_order_around_finish(actions, finish_at, p, rng):
+    # An actor and a learner interleaved at random; the data runs out at action `finish_at`. Whatever was
+    # reserved before is put (and trained once) or released; take() reports drained only with nothing in
+    # flight, and a full step is never cut short while groups are still coming.
+    b = ReplayBuffer(capacity=1000, max_staleness=1000, prompts_per_step=p)
+    in_flight, admitted, dropped, trained = [], [], [], []
+    version = 0
+
+    def take():
+        nonlocal version
+        try:
+            taken = b.take(p, current_version=version, timeout=0)
+        except ReplayBufferTimeout:
+            assert len(b) < p
+            return None
+        assert not taken.too_stale
+        assert len(taken.groups) == p or (taken.drained and b.closed and not in_flight)
+        trained.extend(g.ordinal for g in taken.groups)
+        version += not taken.drained
+        return taken
+
+    for i, action in enumerate(actions):
+        if i == finish_at:
+            b.finish()
+        if action == "admit" and not b.closed:
+            n = rng.randint(1, 3)
+            assert b.reserve(n, version)
+            new = list(range(len(admitted), len(admitted) + n))
+            admitted += new
+            in_flight += new
+        elif action in ("put", "drop") and in_flight:
+            ordinal = in_flight.pop(rng.randrange(len(in_flight)))
+            if action == "put":
+                b.put(group(ordinal, weight_version=version))
+            else:
+                b.release(1)
+                dropped.append(ordinal)
+        elif action == "take":
+            take()
+    b.finish()
+    while in_flight:  # the groups in flight when the data ran out still arrive
+        b.put(group(in_flight.pop(), weight_version=version))
+    while not (taken := take()).drained or taken.groups:
+        pass
+    assert b.reserved == 0 and len(b) == 0
+    assert len(trained) == len(set(trained)) and sorted(trained + dropped) == admitted
 
 
 def test_from_state_leaves_out_groups_that_no_longer_fit():

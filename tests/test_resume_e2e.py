@@ -36,10 +36,20 @@ def ledger_lines(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
-def train_lines_of_last_run(run_dir: pathlib.Path) -> int:
-    lines = ledger_lines(run_dir)
-    last = max((line["run"] for line in lines), default=-1)
-    return sum(1 for line in lines if line["run"] == last and line["event"] == "train")
+def runs_started(run_dir: pathlib.Path) -> int:
+    """How many starts wrote their run_start (runs are numbered 0, 1, 2, ...): the next start's run number."""
+    return len({line["run"] for line in ledger_lines(run_dir)})
+
+
+def trained_by_run(run_dir: pathlib.Path, run: int) -> int | None:
+    """The train lines of start `run`; None until it has written its run_start (another start's lines must not
+    be taken for it: a start still loading is killed for nothing otherwise)."""
+    lines = [line for line in ledger_lines(run_dir) if line["run"] == run]
+    return sum(line["event"] == "train" for line in lines) if lines else None
+
+
+def started_and_trained(run_dir: pathlib.Path, run: int, steps: int):
+    return lambda: (trained_by_run(run_dir, run) or 0) >= steps if steps else trained_by_run(run_dir, run) is not None
 
 
 def wait_for(predicate, process: subprocess.Popen, timeout: float, what: str, poll: float = 0.05) -> None:
@@ -79,21 +89,23 @@ def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_t
 
     # 1. SIGTERM after a few steps: the trainer saves and exits with the documented code.
     process = start(run_dir)
-    wait_for(lambda: train_lines_of_last_run(run_dir) >= 3, process, 300, "3 steps")
+    wait_for(started_and_trained(run_dir, 0, 3), process, 300, "3 steps")
     process.send_signal(signal.SIGTERM)
     assert process.wait(120) == 75, (tmp_path / "train.log").read_text()[-3000:]
 
     # 2. SIGKILL while a checkpoint is being written (Orbax's temporary step directory exists).
     process = start(run_dir)
-    wait_for(lambda: train_lines_of_last_run(run_dir) >= 1, process, 300, "a step after resuming")
+    wait_for(started_and_trained(run_dir, 1, 1), process, 300, "a step after resuming")
     wait_for(lambda: save_in_progress(run_dir), process, 300, "a checkpoint save", poll=0.0005)
     process.kill()
     process.wait()
 
     # 3 and 4. SIGKILL at random moments: some time after the first step of this start, and during start-up.
-    for first_steps, extra in ((1, rng.uniform(0.0, 4.0)), (0, rng.uniform(1.0, 6.0))):
+    for first_steps, extra in ((1, rng.uniform(0.0, 4.0)), (None, rng.uniform(1.0, 6.0))):
+        run = runs_started(run_dir)
         process = start(run_dir)
-        wait_for(lambda: train_lines_of_last_run(run_dir) >= first_steps, process, 300, "the trainer to start")
+        if first_steps is not None:
+            wait_for(started_and_trained(run_dir, run, first_steps), process, 300, "a step of this start")
         time.sleep(extra)
         if process.poll() is None:
             process.kill()

@@ -305,7 +305,8 @@ def test_suite_timeout_fails_only_unscored_samples(test_rewards):
     assert res.failed.all()
     assert res.errors == ["sleepy: timed out after 0.5s with 2 of 2 samples not scored; calls still running: 2"]
     np.testing.assert_allclose(res.per_function["format"], [1, 0])
-    assert suite.metrics() == {"reward/timed_out_samples": 2, "reward/stuck_threads": 2}
+    assert suite.metrics() == {"reward/timed_out_samples": 2, "reward/stuck_threads": 2, "reward/failure_rate": 1.0,
+                               "reward/format/failure_rate": 0.0, "reward/sleepy/failure_rate": 1.0}
     assert all(t.daemon for t in threading.enumerate() if t.name == "reward-sleepy")
 
 
@@ -320,12 +321,16 @@ def test_one_slow_sample_fails_only_itself(test_rewards):
     assert np.flatnonzero(res.failed).tolist() == [5]
     assert res.rewards[res.failed].tolist() == [0.0] and res.rewards[~res.failed].tolist() == [1.0] * 63
     assert res.errors == ["slow_on: timed out after 0.5s with 1 of 64 samples not scored; calls still running: 1"]
-    assert suite.metrics() == {"reward/timed_out_samples": 1, "reward/stuck_threads": 1}
+    assert suite.metrics() == {"reward/timed_out_samples": 1, "reward/stuck_threads": 1, "reward/failure_rate": 1 / 64,
+                               "reward/slow_on/failure_rate": 1 / 64}
     # The slow call returns later: its thread rejoins the pool and the late value is discarded.
     deadline = time.monotonic() + 10
     while suite.stuck_threads and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert suite.metrics() == {"reward/timed_out_samples": 1, "reward/stuck_threads": 0}
+    metrics = suite.metrics()  # nothing scored since the last call: no failure rate to report
+    assert {k: v for k, v in metrics.items() if not k.endswith("failure_rate")} == {
+        "reward/timed_out_samples": 1, "reward/stuck_threads": 0}
+    assert np.isnan(metrics["reward/failure_rate"]) and np.isnan(metrics["reward/slow_on/failure_rate"])
 
 
 def test_error_in_one_sample_does_not_fail_the_others(test_rewards):
@@ -402,9 +407,9 @@ def test_suite_spec_validation():
         R.RewardSuite([("nope", 1.0)])
     with pytest.raises(ValueError, match="unique"):
         R.RewardSuite([("format", 1.0), ("format", 2.0)])
-    suite = R.RewardSuite([("format", 1.0), {"name": "format", "weight": 2.0, "label": "tag",
-                                             "kwargs": {"pattern": R.FORMAT_ANSWER_TAG}}])
-    assert suite.labels == ["format", "tag"]
+    with R.RewardSuite([("format", 1.0), {"name": "format", "weight": 2.0, "label": "tag",
+                                          "kwargs": {"pattern": R.FORMAT_ANSWER_TAG}}]) as suite:
+        assert suite.labels == ["format", "tag"]
     with pytest.raises(ValueError, match="keys"):
         R.RewardSpec.parse({"name": "format", "wieght": 1.0})
     with pytest.raises(ValueError, match="equal counts"):

@@ -1,10 +1,13 @@
-"""Tokenizer: byte-level round trips, special ids, chat templates rendered as transformers renders them, and
-save/from_dir (also read back by transformers' AutoTokenizer)."""
+"""Tokenizer: byte-level round trips, special ids, chat templates rendered as transformers renders them,
+save/from_dir (also read back by transformers' AutoTokenizer), prompts encoded as transformers encodes them
+(the BOS of a plain prompt) and the lower bound on a text's token count."""
 
 import json
 
 import pytest
+import tokenizers
 import transformers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +160,141 @@ def test_char_level_tokenizer_round_trips_and_saves(tmp_path):
     tok.save(tmp_path)
     loaded = Tokenizer.from_dir(tmp_path)
     assert loaded.encode(text) == ids and loaded.eos_ids == tok.eos_ids
+
+
+# ---- prompt encoding: the BOS a plain prompt gets, as transformers gives it (issue 20 item 17) ----------------
+
+BOT, EOT = "<|begin_of_text|>", "<|eot_id|>"
+LLAMA3_SPECIALS = [BOT, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOT]
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+                   "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+CORPUS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+          "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
+          "Grüße aus München! 世界你好。 Ünïcödé and emoji 🤖🤖 too.", "    indented\n\tcode()  # comment"] * 4
+
+
+def train_byte_level_bpe(specials, vocab_size=600, normalizer=None) -> tokenizers.Tokenizer:
+    """A real merging byte-level BPE (Llama 3's pre-tokenizer: a Split by its regex, then ByteLevel), trained
+    locally on a few sentences: nothing is downloaded."""
+    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def write_llama3_like(path, **config_updates):
+    """A tokenizer directory shaped like Llama 3's: a byte-level BPE whose post-processor (TemplateProcessing)
+    puts <|begin_of_text|> before a text, a chat template that writes {{ bos_token }} itself, and a
+    tokenizer_config.json without add_bos_token (PreTrainedTokenizerFast)."""
+    tok = train_byte_level_bpe(LLAMA3_SPECIALS)
+    bos = tok.token_to_id(BOT)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOT} $A", pair=f"{BOT} $A {BOT} $B:1",
+                                                       special_tokens=[(BOT, bos)])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOT, "eos_token": EOT,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1 << 20, "chat_template": LLAMA3_TEMPLATE}
+    config.update(config_updates)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+PROMPTS = ["What is 2+2?", "Natalia sold clips", " leading space", "Grüße 🤖\n\nline two", "x"]
+
+
+def test_plain_prompts_get_the_bos_as_transformers_tokenizer_gives_it(tmp_path):
+    path = write_llama3_like(tmp_path / "llama3")
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    bos = ours.token_to_id(BOT)
+    assert ours.prompt_prefix == (bos,)
+    for text in PROMPTS:
+        assert ours.encode_prompt(text) == hf(text)["input_ids"], text
+        assert ours.encode_prompt(text)[0] == bos and ours.encode_prompt(text)[1:] == ours.encode(text)
+    # A template that writes the BOS itself gets one BOS, not two.
+    assert ours.encode_prompt(BOT + "Q: hi") == ours.encode(BOT + "Q: hi") == hf(BOT + "Q: hi")["input_ids"][1:]
+    # Chat: the template writes the BOS; nothing is added (as apply_chat_template(tokenize=True)).
+    rendered = ours.apply_chat_template(MESSAGES)
+    ids = ours.encode_prompt(rendered, chat=True)
+    assert ids == list(hf.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False))
+    assert ids.count(bos) == 1 and ids[0] == bos
+
+
+def test_the_prompt_prefix_follows_the_post_processor_as_transformers_does(tmp_path):
+    # transformers' fast tokenizer follows tokenizer.json's post-processor even against add_bos_token=false.
+    path = write_llama3_like(tmp_path / "no_bos", add_bos_token=False)
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    assert ours.encode_prompt("Hi there") == hf("Hi there")["input_ids"] and ours.prompt_prefix == (0,)
+    # And adds nothing without a post-processor (Qwen, the byte-level and synthetic tokenizers), add_bos_token or not.
+    path = _write_dir(tmp_path / "bos", Tokenizer.byte_level(), bos_token="<|endoftext|>", add_bos_token=True)
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    assert ours.encode_prompt("Hi") == hf("Hi")["input_ids"] == [ord("H"), ord("i")]
+    # The post-processor survives save() and from_dir().
+    write_llama3_like(tmp_path / "llama3")
+    Tokenizer.from_dir(tmp_path / "llama3").save(tmp_path / "again")
+    assert Tokenizer.from_dir(tmp_path / "again").prompt_prefix == (0,)
+    # A post-processor that also ends the text (<bos> $A <eos>): the prompt starts with the BOS and is not ended.
+    tok = Tokenizer.byte_level()
+    tok._tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>", special_tokens=[("<|im_start|>", IM_START), ("<|im_end|>", IM_END)])
+    assert Tokenizer(tok._tok).encode_prompt("Hi") == [IM_START, ord("H"), ord("i")]
+
+
+def _sentencepiece_like() -> Tokenizer:
+    """Llama 2's shape: a BPE with byte_fallback, spaces made ▁ by the normalizer, no pre-tokenizer."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "▁abc", "é", "世"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("a", "b"), ("▁a", "b"), ("▁ab", "c")]
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.add_special_tokens([AddedToken("<s>", special=True, normalized=False),
+                            AddedToken("</s>", special=True, normalized=False)])
+    return Tokenizer(tok, eos_token="</s>", bos_token="<s>")
+
+
+def _bounded_tokenizers():
+    qwen_like = Tokenizer(train_byte_level_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                               normalizer=normalizers.NFC()), eos_token="<|im_end|>")
+    llama3_like = Tokenizer(train_byte_level_bpe(LLAMA3_SPECIALS), bos_token=BOT, eos_token=EOT)
+    return {"byte_level": Tokenizer.byte_level(), "qwen_like": qwen_like, "llama3_like": llama3_like,
+            "sentencepiece_like": _sentencepiece_like()}
+
+
+BOUNDED = _bounded_tokenizers()
+# Pieces that stress the bound: combining marks and Hangul jamo (NFC/NFKC shrink them), ligatures (NFKC grows them),
+# spaces (Replace grows them), special tokens (one token for many bytes), and any text at all.
+PIECES = list("ab c\u0301e\u00e9\n\t世🤖ﬁ\u1100\u1161\u11a8") + ["<s>", "<|im_end|>", BOT, "    ", "abc" * 5]
+TEXT = st.lists(st.sampled_from(PIECES), max_size=80).map("".join) | st.text(max_size=300)
+
+
+@given(text=TEXT)
+@settings(max_examples=300, deadline=None)
+def test_min_tokens_never_exceeds_the_token_count(text):
+    for name, tok in BOUNDED.items():
+        assert tok.min_tokens(text) <= len(tok.encode(text)), name
+
+
+def test_min_tokens_refuses_long_texts_only_where_it_can_prove_it():
+    long_text = "word " * 200_000  # 1 MB
+    for name, tok in BOUNDED.items():
+        assert tok.min_tokens(long_text) > 4096, name  # far over any prompt limit, known without tokenizing
+    # Pipelines that may drop or swallow characters claim no bound: a whitespace pre-tokenizer, a WordLevel
+    # model (a word of any length is one token), an added token that strips the spaces around it.
+    whitespace = tokenizers.Tokenizer(models.WordLevel({"word": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    whitespace.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert Tokenizer(whitespace).min_tokens(long_text) == 0
+    assert Tokenizer.char_level("abc").min_tokens(long_text) == 0
+    stripping = Tokenizer.byte_level()
+    stripping._tok.add_special_tokens([AddedToken("<mask>", special=True, lstrip=True)])
+    assert Tokenizer(stripping._tok).min_tokens(long_text) == 0

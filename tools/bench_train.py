@@ -330,8 +330,7 @@ def main(args) -> dict:
     # Compile apart (lower + compile of the very function Learner.step calls), then the first real
     # call, which compiles again through jit's own cache unless the two share it.
     t0 = time.perf_counter()
-    compiled = learner._step.lower(learner.params, learner.opt_state, batch, learner.ref_params, learner.frozen,
-                                   None).compile()
+    compiled = learner._step.lower(*learner.step_arguments(batch)).compile()
     compile_s = time.perf_counter() - t0
     xla = None if args.no_cost_analysis else xla_flops(compiled)
     memory = learner_memory(learner, compiled)
