@@ -13,10 +13,21 @@ if not os.environ.get("GRPO_JAX_KEEP_XLA_FLAGS") and "xla_cpu_copy_insertion_use
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_FLAG).strip()
 
 
-def __getattr__(name: str):
-    # grpo_jax.train imports jax and the trainer: only when it is first used, so `import grpo_jax` stays cheap.
-    if name == "train":
-        from grpo_jax.api import train
+# The public names, imported on first use so that `import grpo_jax` stays cheap (no JAX until then).
+_PUBLIC = {
+    "train": "grpo_jax.api",  # grpo-jax train from Python, with reward callables
+    "Config": "grpo_jax.run.config",  # the whole run config (configs/*.yaml)
+    "register_reward": "grpo_jax.algorithm.rewards",  # a reward factory under a name the config can use
+    "audit": "grpo_jax.state.ledger",  # the prompt ledger's audit: lost and trained-twice prompts
+    "read_metrics": "grpo_jax.run.metrics",  # RUN_DIR/metrics.jsonl as rows
+    "UserError": "grpo_jax.errors",  # every error a user can fix (one line, exit 2)
+}
+__all__ = sorted(_PUBLIC)
 
-        return train
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'grpo_jax' has no attribute {name!r}")

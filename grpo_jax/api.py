@@ -16,11 +16,11 @@ import os
 import pathlib
 from typing import Any
 
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, build_config, config_to_dict, read_config_file
-from grpo_jax.distributed import initialize
-from grpo_jax.rewards import register_function
-from grpo_jax.trainer import Trainer
+from grpo_jax.parallel.distributed import initialize
+from grpo_jax.algorithm.rewards import register_function
+from grpo_jax.run.trainer import Trainer
 
 
 def _config_reward(spec: Any, key: str, names: dict) -> Any:
@@ -83,7 +83,7 @@ def train(config: Config | str | os.PathLike | dict, rewards: list | None = None
     fn(records, completions, lengths) -> list[float] (weight 1), a (function, weight) pair, a dict
     {"name": function, "weight", "label", "samples_per_call"}, or any config form (("gsm8k", 1.0),
     {"name": "my_package.rewards:exact_match", "kwargs": {...}}). A function is called exactly as the
-    built-in rewards are, on the same threads, deadline and failure handling (grpo_jax.rewards).
+    built-in rewards are, on the same threads, deadline and failure handling (grpo_jax.algorithm.rewards).
 
     Errors a user can fix raise grpo_jax.errors.UserError (one line, as the CLI prints them). Called from the
     main thread, a SIGINT (a notebook's interrupt) or SIGTERM stops the run after the current step, saves a

@@ -49,11 +49,11 @@ def read_prompts(path: str) -> list[str]:
 
 def cmd_init_model(args) -> None:
     """Build a model from a config's `model` section with random weights and save it in HF layout."""
-    from grpo_jax.config import Config
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
-    from grpo_jax.hf import save_hf_model
-    from grpo_jax.model import count_params, create_model
-    from grpo_jax.tokenizer import load_tokenizer
+    from grpo_jax.model.hf import save_hf_model
+    from grpo_jax.model.transformer import count_params, create_model
+    from grpo_jax.data.tokenizer import load_tokenizer
 
     config = load_config(Config, args.config, args.overrides)
     tokenizer = load_tokenizer(config.tokenizer, config.model_path)
@@ -68,8 +68,8 @@ def cmd_init_model(args) -> None:
 def cmd_generate(args) -> None:
     import jax
 
-    from grpo_jax.hf import load_hf_model
-    from grpo_jax.sampler import Sampler, SamplerConfig
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
     sampler_config = SamplerConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    max_new_tokens=args.max_new_tokens, max_prompt_len=args.max_prompt_len)
@@ -140,9 +140,9 @@ def show_trainer_log() -> None:
 def cmd_train(args) -> int:
     """Train; resumes from the newest good checkpoint in the run directory. Exit 0 when done,
     EXIT_PREEMPTED (75) after a SIGTERM/SIGINT once its checkpoint is committed."""
-    from grpo_jax.config import Config
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
-    from grpo_jax.trainer import EXIT_PREEMPTED, Trainer
+    from grpo_jax.run.trainer import EXIT_PREEMPTED, Trainer
 
     config = load_config(Config, args.config, args.overrides)
     run_dir = args.run_dir or config.run_dir
@@ -153,7 +153,7 @@ def cmd_train(args) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     except (OSError, ValueError):
         pass  # stderr is not a real file (e.g. captured by a test runner): no stack dumps, nothing else changes
-    from grpo_jax.distributed import initialize
+    from grpo_jax.parallel.distributed import initialize
     initialize(config.distributed)  # several processes (a TPU pod, or the multi-process tests)
     trainer = Trainer(config, run_dir)
     history = trainer.train()
@@ -169,16 +169,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> None:
-    """Evaluate a saved model on the config's held-out prompts (its eval section, grpo_jax.evaluation): one
+    """Evaluate a saved model on the config's held-out prompts (its eval section, grpo_jax.run.evaluation): one
     JSON line per prompt to --output (else stdout), then one summary line on stdout."""
-    from grpo_jax.config import Config
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
-    from grpo_jax.evaluation import Evaluator, eval_problems, held_out_records
-    from grpo_jax.hf import load_hf_model
-    from grpo_jax.metrics import json_line
-    from grpo_jax.rewards import RewardSuite
-    from grpo_jax.sampler import Sampler
-    from grpo_jax.tokenizer import load_tokenizer
+    from grpo_jax.run.evaluation import Evaluator, eval_problems, held_out_records
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.run.metrics import json_line
+    from grpo_jax.algorithm.rewards import RewardSuite
+    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.data.tokenizer import load_tokenizer
 
     config = load_config(Config, args.config, args.overrides)
     problems = eval_problems(config)  # whatever eval.every_steps says: this command evaluates
@@ -219,7 +219,7 @@ def cmd_eval(args) -> None:
 
 
 def cmd_plot(args) -> None:
-    from grpo_jax.plot import plot_run
+    from grpo_jax.run.plot import plot_run
 
     try:
         written = plot_run(args.run_dir, args.out)
@@ -230,7 +230,7 @@ def cmd_plot(args) -> None:
 
 
 def cmd_audit(args) -> int:
-    from grpo_jax.ledger import audit
+    from grpo_jax.state.ledger import audit
 
     run_dir = pathlib.Path(args.run_dir)
     if not (run_dir / "events.jsonl").is_file() and not list(run_dir.glob("events.process*.jsonl")):
@@ -247,8 +247,8 @@ def cmd_compile(args) -> None:
     import os
     # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from grpo_jax.aot import check_fits, compile_run, format_report
-    from grpo_jax.config import Config
+    from grpo_jax.planning.compile import check_fits, compile_run, format_report
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
 
     config = load_config(Config, args.config, args.overrides)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from grpo_jax.advantages import advantage_stats, filter_zero_variance, group_advantages
+from grpo_jax.algorithm.advantages import advantage_stats, filter_zero_variance, group_advantages
 
 N, G = 4, 6
 # Few distinct values, so that ties and zero-variance groups come up often; float32-exact so that the

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from grpo_jax import cli
-from grpo_jax.checkpoint import CORRUPT_DIR, layout_difference, tree_layout
+from grpo_jax.state.checkpoint import CORRUPT_DIR, layout_difference, tree_layout
 from grpo_jax.errors import CheckpointError
-from grpo_jax.ledger import audit
-from grpo_jax.trainer import Trainer
+from grpo_jax.state.ledger import audit
+from grpo_jax.run.trainer import Trainer
 
 from test_trainer import read_ledger, tiny_config
 
@@ -182,7 +182,7 @@ def test_a_checkpoint_without_ordinal_data_resumes_with_a_warning_stating_the_lo
     item = run_dir / "checkpoints" / "2" / "collector" / "metadata"
     saved = json.loads(item.read_text())
     # The older format: only the iterator's live position.
-    live = {"format": "grpo_jax.collector/0", "iterator_state": saved["collector"]["iterator_state"]}
+    live = {"format": "grpo_jax.data.collector/0", "iterator_state": saved["collector"]["iterator_state"]}
     item.write_text(json.dumps({"collector": live, "buffer": saved["buffer"]}))
     with caplog.at_level(logging.WARNING):
         trainer = Trainer(tiny_config(run_dir, "trainer.max_steps=3"))
@@ -207,7 +207,7 @@ def small_save(checkpoints, step, value=1.0):
 
 
 def test_keeps_the_last_n_plus_every_kth_and_reports_commits_in_order(tmp_path):
-    from grpo_jax.checkpoint import CheckpointConfig, Checkpoints
+    from grpo_jax.state.checkpoint import CheckpointConfig, Checkpoints
     checkpoints = Checkpoints(tmp_path, CheckpointConfig(keep_last=2, keep_every=4))
     committed = []
     for step in range(1, 10):
@@ -231,7 +231,7 @@ def test_keeps_the_last_n_plus_every_kth_and_reports_commits_in_order(tmp_path):
 
 
 def test_a_failed_background_save_is_reported_not_lost(tmp_path, monkeypatch):
-    from grpo_jax.checkpoint import CheckpointConfig, Checkpoints
+    from grpo_jax.state.checkpoint import CheckpointConfig, Checkpoints
     checkpoints = Checkpoints(tmp_path, CheckpointConfig())
 
     def disk_full(*args, **kwargs):
@@ -245,7 +245,7 @@ def test_a_failed_background_save_is_reported_not_lost(tmp_path, monkeypatch):
 
 
 def test_saves_are_due_by_steps_or_by_time(tmp_path, monkeypatch):
-    from grpo_jax import checkpoint as module
+    from grpo_jax.state import checkpoint as module
     now = [1000.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
     by_steps = module.Checkpoints(tmp_path / "a", module.CheckpointConfig(every_steps=3))

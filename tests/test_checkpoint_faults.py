@@ -23,11 +23,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from grpo_jax import cli
-from grpo_jax.checkpoint import (CHECKSUM_KEY, CORRUPT_DIR, CheckpointConfig, Checkpoints, DamagedStep, damage_in,
+from grpo_jax.state.checkpoint import (CHECKSUM_KEY, CORRUPT_DIR, CheckpointConfig, Checkpoints, DamagedStep, damage_in,
                                  not_damage, os_error_number)
 from grpo_jax.errors import CheckpointError
-from grpo_jax.ledger import audit
-from grpo_jax.trainer import Trainer, pack_process_state, unpack_process_state
+from grpo_jax.state.ledger import audit
+from grpo_jax.run.trainer import Trainer, pack_process_state, unpack_process_state
 
 from test_checkpoint import copy_of, params_of, saved_run, small_save, train_lines  # noqa: F401 - saved_run: fixture
 from test_trainer import FAST, REPO, read_ledger, tiny_config
@@ -438,7 +438,7 @@ def closed_while_suspended(filename: str) -> types.SimpleNamespace:
 
 
 def test_only_reports_of_io_that_orbax_abandoned_are_dropped():
-    from grpo_jax.checkpoint import _DiskFullReports, _DropAbandonedIo
+    from grpo_jax.state.checkpoint import _DiskFullReports, _DropAbandonedIo
 
     def raised(action):
         try:
@@ -656,7 +656,7 @@ def test_an_error_of_our_own_code_while_restoring_is_not_taken_for_damage(two_st
 READ_EACH_RUN_DIR = """
 import sys
 import jax, numpy as np
-from grpo_jax.checkpoint import CheckpointConfig, Checkpoints
+from grpo_jax.state.checkpoint import CheckpointConfig, Checkpoints
 from grpo_jax.errors import CheckpointError
 target = {"count": jax.ShapeDtypeStruct((), np.int32), "params": {"w": jax.ShapeDtypeStruct((64, 64), np.float32)},
           "rng": jax.ShapeDtypeStruct((2,), np.uint32)}

@@ -73,7 +73,7 @@ def test_missing_model_and_bad_config_are_refused(tmp_path, capsys):
 
 
 def test_audit_exit_code_follows_the_ledger(tmp_path, capsys):
-    from grpo_jax.ledger import Ledger
+    from grpo_jax.state.ledger import Ledger
 
     ledger = Ledger(tmp_path)
     ledger.train(1, [0, 1], [5, 6], [0, 0], [0, 0])
@@ -99,8 +99,8 @@ def test_overrides_may_follow_options(capsys):
 
 def test_the_readme_init_model_command_works_with_the_shipped_config(tmp_path, capsys):
     """`grpo-jax init-model configs/tiny_cpu.yaml --out DIR`, the config unchanged (tokenizer: synthetic)."""
-    from grpo_jax.hf import load_hf_model
-    from grpo_jax.tokenizer import load_tokenizer
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.data.tokenizer import load_tokenizer
 
     out = tmp_path / "m"
     assert main(["init-model", TINY, "--out", str(out)]) == 0, capsys.readouterr().err

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_jax.collector import (
+from grpo_jax.data.collector import (
     RING_OVERRUN_REASON,
     Accounting,
     AccountedTwiceError,
@@ -26,8 +26,8 @@ from grpo_jax.collector import (
     Prompt,
     RangeSet,
 )
-from grpo_jax.ledger import Ledger, audit
-from grpo_jax.replay_buffer import Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.state.ledger import Ledger, audit
+from grpo_jax.state.replay_buffer import Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 
 
 class FakeIterator:
@@ -316,7 +316,7 @@ def test_ring_overrun_is_loud_and_restore_records_the_prompts_as_dropped(tmp_pat
     for o in [0, 2, 3, 4, 5]:
         c.mark_finished(o)
     c.mark_trained([0], step=1, weight_versions=[0])
-    with caplog.at_level(logging.WARNING, logger="grpo_jax.collector"):
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.data.collector"):
         state = json_roundtrip(c.checkpoint_state([2]))
     assert "no longer reaches back" in caplog.text
     assert not state["ring_reaches_cut"] and state["cut_ordinal"] == 1 and state["resume_base_ordinal"] == 4

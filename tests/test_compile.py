@@ -12,16 +12,16 @@ import jax
 import pytest
 from flax import nnx
 
-from grpo_jax.aot import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, abstract_params, actor_params, compile_one,
+from grpo_jax.planning.compile import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, abstract_params, actor_params, compile_one,
                           compile_run, engine_setup, format_report, model_flops_per_step, run_layout, shard_bytes,
                           tpu_topology)
 from grpo_jax.cli import main
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import load_config
 from grpo_jax.errors import CheckpointError, ConfigError
-from grpo_jax.hf import checkpoint_config, load_hf_model
-from grpo_jax.model import DTYPES, Transformer
-from grpo_jax.weight_sync import WeightSync, narrowed
+from grpo_jax.model.hf import checkpoint_config, load_hf_model
+from grpo_jax.model.transformer import DTYPES, Transformer
+from grpo_jax.rollout.weight_sync import WeightSync, narrowed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")

@@ -5,7 +5,7 @@ import pathlib
 import pytest
 import yaml
 
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config, parse_override, save_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

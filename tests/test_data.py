@@ -7,10 +7,10 @@ import pathlib
 
 import pytest
 
-from grpo_jax import data
+from grpo_jax.data import pipeline as data
 from grpo_jax.config_io import ConfigError, load_config
-from grpo_jax.data import DataConfig, DataError, dataset_fingerprint, make_data_iterator
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.data.pipeline import DataConfig, DataError, dataset_fingerprint, make_data_iterator
+from grpo_jax.data.tokenizer import Tokenizer
 
 TEMPLATE = "Question: {question}\nAnswer:"
 
@@ -445,8 +445,8 @@ def test_plain_prompts_start_with_the_bos_in_training_evaluation_and_generate(tm
     import transformers
 
     from grpo_jax import cli, hf as hf_io, sampler
-    from grpo_jax.config import Config
-    from grpo_jax.evaluation import held_out_records
+    from grpo_jax.run.config import Config
+    from grpo_jax.run.evaluation import held_out_records
     from test_tokenizer import BOT, write_llama3_like
 
     path = write_llama3_like(tmp_path / "llama3")

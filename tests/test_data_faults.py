@@ -6,8 +6,8 @@ import json
 import pytest
 
 from grpo_jax.errors import CheckpointError
-from grpo_jax.tasks import make_synthetic_dataset
-from grpo_jax.trainer import Trainer
+from grpo_jax.data.tasks import make_synthetic_dataset
+from grpo_jax.run.trainer import Trainer
 
 from test_trainer import assert_every_ordinal_accounted_once, read_ledger, tiny_config
 

@@ -1,4 +1,4 @@
-"""Start-up decisions of grpo_jax.distributed that need no second process (those are in test_multiprocess), and
+"""Start-up decisions of grpo_jax.parallel.distributed that need no second process (those are in test_multiprocess), and
 the trainer's StopSignals in one process."""
 
 import os
@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax import distributed
+from grpo_jax.parallel import distributed
 from grpo_jax.config_io import ConfigError
-from grpo_jax.distributed import DistributedConfig, HostAgreement, initialize
+from grpo_jax.parallel.distributed import DistributedConfig, HostAgreement, initialize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_an_incomplete_explicit_start_up_is_a_clear_error(monkeypatch, env, mess
 
 
 def test_the_collective_timeout_defaults_to_three_group_timeouts():
-    from grpo_jax.config import TrainerConfig
+    from grpo_jax.run.config import TrainerConfig
 
     assert TrainerConfig(group_timeout_s=600).collective_timeout() == 1800
     assert TrainerConfig(group_timeout_s=600, collective_timeout_s=90).collective_timeout() == 90
@@ -81,7 +81,7 @@ def test_one_process_agreement_needs_no_collective():
 # released: the same as a process waiting in a collective for a peer.
 BLOCKED_IN_C = r"""
 import ctypes, sys, time
-from grpo_jax.trainer import StopSignals
+from grpo_jax.run.trainer import StopSignals
 stop_first, c_seconds, python_seconds = sys.argv[1] == "stop_first", sys.argv[2], float(sys.argv[3])
 with StopSignals() as signals:
     if stop_first:

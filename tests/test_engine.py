@@ -13,12 +13,12 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from grpo_jax.engine import Engine
-from grpo_jax.learner import pack_batch, token_logprobs
-from grpo_jax.losses import LossConfig, policy_loss
-from grpo_jax.replay_buffer import Group
-from grpo_jax.sampler import Sampler, SamplerConfig
-from grpo_jax.trainer import group_rows
+from grpo_jax.rollout.engine import Engine
+from grpo_jax.algorithm.learner import pack_batch, token_logprobs
+from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.state.replay_buffer import Group
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
+from grpo_jax.run.trainer import group_rows
 from test_sampler import PAD, VOCAB, _model, _prompts
 
 MAX_NEW = 12
@@ -320,7 +320,7 @@ def test_trainer_with_the_engine_accounts_for_every_prompt(tmp_path, inflight):
     are in flight: every prompt trained or dropped once, the staleness bound holds for the oldest token of every
     group, and the engine's metrics are logged. In-flight updates on: groups hold tokens of two versions; off:
     never, and the held-back weights are adopted as the slots drain (the run does not wait for them)."""
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.run.trainer import Trainer
     from test_trainer import assert_every_ordinal_accounted_once, tiny_config
     config = tiny_config(tmp_path, "sampler.engine=continuous", "sampler.chunk_steps=1", "trainer.max_steps=6",
                          "grpo.max_staleness=1", f"sampler.inflight_updates={str(inflight).lower()}",

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from grpo_jax.cli import EXIT_USER_ERROR, main
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.errors import DataError
-from grpo_jax.evaluation import held_out_records, pass_at_k
-from grpo_jax.ledger import EVENT_KINDS, audit
-from grpo_jax.metrics import read_metrics
-from grpo_jax.tasks import make_synthetic_dataset
-from grpo_jax.tokenizer import load_tokenizer
+from grpo_jax.run.evaluation import held_out_records, pass_at_k
+from grpo_jax.state.ledger import EVENT_KINDS, audit
+from grpo_jax.run.metrics import read_metrics
+from grpo_jax.data.tasks import make_synthetic_dataset
+from grpo_jax.data.tokenizer import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -56,8 +56,8 @@ def test_pass_at_k_equals_the_brute_force_count_over_subsets():
 def test_evaluations_are_lines_of_metrics_jsonl_that_step_readers_leave_out(tmp_path):
     """An evaluation finishes after later learner steps were written: its metrics.jsonl line goes at the last
     step written, marked, with the weight version it measured; read_metrics, plot and train() see the steps."""
-    from grpo_jax.metrics import MetricsWriter
-    from grpo_jax.plot import plot_run, read_evaluations
+    from grpo_jax.run.metrics import MetricsWriter
+    from grpo_jax.run.plot import plot_run, read_evaluations
 
     writer = MetricsWriter(tmp_path, total_steps=3, progress=False, tensorboard=False)
     step = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "staleness/mean": 0.0, "staleness/max": 0,
@@ -136,7 +136,7 @@ def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_
     # TensorBoard's tag rules turn "@" into "_": eval/pass@1 is eval/pass_1 there.
     event_files = list((trained_run / "tb").iterdir())
     assert any(b"eval/pass_1" in path.read_bytes() for path in event_files), "no eval scalar in TensorBoard"
-    from grpo_jax.plot import plot_run, read_evaluations
+    from grpo_jax.run.plot import plot_run, read_evaluations
     assert "eval.png" in {p.name for p in plot_run(trained_run)}
     # Without eval.jsonl, the figure comes from metrics.jsonl's evaluation lines: the same rows.
     no_eval_file = tmp_path / "copy"
@@ -192,10 +192,10 @@ def test_a_trained_model_scores_higher_and_the_eval_command_reproduces_the_run(t
 def test_gsm8k_test_rows_through_the_eval_command_with_the_real_reward(gsm8k_dir, tmp_path, capsys):
     """The shipped GSM8K config on test.jsonl, a random tiny Qwen2 in place of the checkpoint: the pipeline,
     not the accuracy."""
-    from grpo_jax.hf import save_hf_model
-    from grpo_jax.model import ModelConfig, create_model
-    from grpo_jax.rewards import get_reward
-    from grpo_jax.tokenizer import Tokenizer
+    from grpo_jax.model.hf import save_hf_model
+    from grpo_jax.model.transformer import ModelConfig, create_model
+    from grpo_jax.algorithm.rewards import get_reward
+    from grpo_jax.data.tokenizer import Tokenizer
 
     model_dir = tmp_path / "tiny_qwen2"
     tiny = ModelConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
@@ -259,7 +259,7 @@ def test_eval_sources_that_hold_no_held_out_prompt_are_refused(gsm8k_dir, tmp_pa
 
 
 def test_an_output_path_that_cannot_be_written_is_refused_before_evaluating(tmp_path, capsys, monkeypatch):
-    from grpo_jax.evaluation import Evaluator
+    from grpo_jax.run.evaluation import Evaluator
 
     model = tmp_path / "untrained"
     assert main(["init-model", TINY, *SETTINGS, "--out", str(model)]) == 0
@@ -292,7 +292,7 @@ def _bare_actor(sampler):
     import collections
     import threading
 
-    from grpo_jax.actor import Actor
+    from grpo_jax.rollout.actor import Actor
     actor = object.__new__(Actor)  # only the side-job machinery: no model, data or thread
     actor.sampler, actor.streaming, actor._version = sampler, True, sampler.version
     actor._pending, actor._pushed, actor.lockstep = None, {}, None

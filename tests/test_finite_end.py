@@ -11,8 +11,8 @@ import logging
 import pytest
 
 from grpo_jax import cli
-from grpo_jax.actor import Actor
-from grpo_jax.trainer import Trainer
+from grpo_jax.rollout.actor import Actor
+from grpo_jax.run.trainer import Trainer
 
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 

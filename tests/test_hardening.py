@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from grpo_jax import cli, errors, run_lock
-from grpo_jax.data import DataConfig, json_value, make_data_iterator
-from grpo_jax.ledger import audit
-from grpo_jax.replay_buffer import Group, ReplayBuffer
-from grpo_jax.run_lock import RunDirLock, lock_file
-from grpo_jax.tokenizer import load_tokenizer
-from grpo_jax.trainer import Trainer
+from grpo_jax.data.pipeline import DataConfig, json_value, make_data_iterator
+from grpo_jax.state.ledger import audit
+from grpo_jax.state.replay_buffer import Group, ReplayBuffer
+from grpo_jax.state.run_lock import RunDirLock, lock_file
+from grpo_jax.data.tokenizer import load_tokenizer
+from grpo_jax.run.trainer import Trainer
 
 from test_trainer import FAST, read_ledger, tiny_config
 
@@ -63,8 +63,8 @@ def jsonl_overrides(path) -> list[str]:
 def test_user_errors_share_one_base_class_importable_from_where_they_are_raised():
     from grpo_jax.cli import UsageError
     from grpo_jax.config_io import ConfigError
-    from grpo_jax.data import DataError
-    from grpo_jax.trainer import TrainerError
+    from grpo_jax.data.pipeline import DataError
+    from grpo_jax.run.trainer import TrainerError
 
     for cls in (ConfigError, errors.CheckpointError, DataError, UsageError, TrainerError, errors.RunDirError):
         assert issubclass(cls, errors.UserError) and cls.exit_code == 2
@@ -115,7 +115,7 @@ def test_load_tokenizer_reads_every_spelling_the_config_allows(tmp_path):
 
 
 def _saved_byte_tokenizer(tmp_path):
-    from grpo_jax.tokenizer import Tokenizer
+    from grpo_jax.data.tokenizer import Tokenizer
 
     Tokenizer.byte_level().save(tmp_path / "tok")
     (tmp_path / "empty").mkdir()
@@ -144,7 +144,7 @@ def test_a_prompt_over_the_sampler_limit_is_a_bad_row_naming_its_length_and_the_
 
 
 def test_the_run_goes_on_past_prompts_the_sampler_cannot_take_and_logs_and_records_why(tmp_path, monkeypatch, caplog):
-    import grpo_jax.actor as actor_module
+    import grpo_jax.rollout.actor as actor_module
 
     monkeypatch.setattr(actor_module, "BAD_ROWS_LOGGED", 2)
     monkeypatch.setattr(actor_module, "BAD_ROWS_LOG_EVERY", 3)
@@ -224,7 +224,7 @@ def test_parquet_rows_with_datetimes_decimals_bytes_and_nan_survive_the_replay_b
 
 
 def test_a_parquet_run_with_odd_columns_saves_a_checkpoint_holding_them_and_resumes(tmp_path, monkeypatch):
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.run.trainer import Trainer
     from test_checkpoint import preempt_after
 
     data = write_odd_parquet(tmp_path / "odd.parquet", n=40)
@@ -259,7 +259,7 @@ def test_a_parquet_run_with_odd_columns_saves_a_checkpoint_holding_them_and_resu
 
 
 def hold_lock_in_another_process(run_dir) -> subprocess.Popen:
-    code = ("import sys, time; from grpo_jax.run_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from grpo_jax.state.run_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert holder.stdout.readline().strip() == "held"
@@ -378,7 +378,7 @@ def open_files_under(directory: pathlib.Path) -> list[str]:
 
 
 def test_a_start_that_fails_after_opening_things_closes_them(tmp_path, monkeypatch):
-    import grpo_jax.trainer as trainer_module
+    import grpo_jax.run.trainer as trainer_module
 
     def refused(*args, **kwargs):
         raise errors.ConfigError("rewards: refused for the test")

@@ -18,11 +18,11 @@ import transformers
 from flax import nnx
 
 from grpo_jax.errors import CheckpointError
-from grpo_jax.hf import (architecture_conflicts, checkpoint_config, hf_config_to_model_config, load_hf_model,
+from grpo_jax.model.hf import (architecture_conflicts, checkpoint_config, hf_config_to_model_config, load_hf_model,
                          model_config_to_hf_config, save_hf_model)
-from grpo_jax.model import ModelConfig, Transformer, param_dict, positions_from_mask
-from grpo_jax.safetensors_io import SafetensorsFile, load_file, save_file
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.model.transformer import ModelConfig, Transformer, param_dict, positions_from_mask
+from grpo_jax.model.safetensors_io import SafetensorsFile, load_file, save_file
+from grpo_jax.data.tokenizer import Tokenizer
 
 torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
@@ -505,7 +505,7 @@ def test_safetensors_roundtrip_with_reference_library(tmp_path):
 
 def test_load_onto_mesh(checkpoints, loaded):
     """Parameters go straight to their sharded layout (8 simulated CPU devices from conftest)."""
-    from grpo_jax.sharding import MeshConfig, make_mesh
+    from grpo_jax.parallel.sharding import MeshConfig, make_mesh
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
     sharded, _ = load_hf_model(checkpoints["qwen2_untied"][1], mesh=mesh)
     q = sharded.layers[0].attn.q.get_value()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.learner import (Learner, NonFiniteError, OptimConfig, TrainBatch, learning_rate_schedule,
+from grpo_jax.algorithm.learner import (Learner, NonFiniteError, OptimConfig, TrainBatch, learning_rate_schedule,
                               pack_batch, token_logprobs)
-from grpo_jax.losses import LossConfig
-from grpo_jax.model import ModelConfig, create_model
+from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.model.transformer import ModelConfig, create_model
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2)
@@ -122,7 +122,7 @@ def test_token_logprobs_match_log_softmax_of_full_forward():
     model = create_model(MODEL, seed=3)
     batch = random_batch(6)
     logprobs, entropy = token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=True)
-    from grpo_jax.model import positions_from_mask
+    from grpo_jax.model.transformer import positions_from_mask
     logits, _ = model(batch.tokens, positions_from_mask(batch.input_mask), batch.input_mask)
     logp_all = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     expected = jnp.take_along_axis(logp_all, batch.tokens[:, 1:, None], axis=-1)[..., 0]
@@ -155,7 +155,7 @@ def test_schedule_warmup_then_cosine():
 
 def full_forward_logprobs(graphdef, params, batch: TrainBatch, rows, temperature: float):
     """[rows, L-1] log-probs of the next tokens from the model's plain forward pass and a log-softmax."""
-    from grpo_jax.model import positions_from_mask
+    from grpo_jax.model.transformer import positions_from_mask
     tokens, mask = batch.tokens[rows], batch.input_mask[rows]
     logits, _ = nnx.merge(graphdef, params)(tokens, positions_from_mask(mask), mask)
     logp_all = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
@@ -337,8 +337,8 @@ def test_failed_rows_train_nothing_like_padding(aggregation):
 
 
 def test_the_trainer_rows_carry_each_samples_validity():
-    from grpo_jax.replay_buffer import Group
-    from grpo_jax.trainer import group_rows, row_validity
+    from grpo_jax.state.replay_buffer import Group
+    from grpo_jax.run.trainer import group_rows, row_validity
     groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([3, 4])}, completions=[np.array([5, 6])] * 3,
                     behaviour_logprobs=[np.array([-1.0, -1.0])] * 3, rewards=np.zeros(3, np.float32),
                     weight_version=0, extras={"advantages": np.zeros(3, np.float32), "valid": valid})
@@ -375,7 +375,7 @@ def numpy_truncated_logprobs(logits, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("top_k, top_p, temperature", [(0, 0.9, 1.0), (5, 1.0, 0.7), (8, 0.6, 1.3), (0, 1.0, 0.8)])
 def test_tempered_logprobs_truncate_like_the_sampler(top_k, top_p, temperature):
-    from grpo_jax.learner import tempered_logprobs
+    from grpo_jax.algorithm.sampling import tempered_logprobs
     rng = np.random.default_rng(top_k + int(10 * top_p))
     logits = rng.normal(0, 3.0, (6, 40)).astype(np.float32)
     expected = np.stack([numpy_truncated_logprobs(row, temperature, top_k, top_p) for row in logits])
@@ -402,7 +402,7 @@ def test_tempered_logprobs_truncate_like_the_sampler(top_k, top_p, temperature):
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (6, 1.0), (10, 0.8)])
 def test_importance_weight_is_one_at_staleness_zero_with_top_p_and_top_k(top_k, top_p):
-    from grpo_jax.sampler import Sampler, SamplerConfig
+    from grpo_jax.rollout.sampler import Sampler, SamplerConfig
     temperature, size = 0.9, 8
     model = create_model(MODEL, seed=3)
     # Sharpen the output distribution (random init gives near-uniform logits), so that the truncation cuts
@@ -490,7 +490,7 @@ def test_token_and_sequence_counts_are_the_batchs_whatever_the_split():
 
 
 def test_greedy_sampling_is_refused_for_training():
-    from grpo_jax.config import Config
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import ConfigError, build_config
     with pytest.raises(ConfigError) as info:
         build_config(Config, {"tokenizer": "byte"}, ["sampler.temperature=0"])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from grpo_jax.ledger import LEDGER_FILE, Ledger, audit, main
+from grpo_jax.state.ledger import LEDGER_FILE, Ledger, audit, main
 
 
 def read(run_dir) -> list[dict]:

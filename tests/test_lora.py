@@ -14,17 +14,17 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, build_config, load_config
 from grpo_jax.errors import CheckpointError
-from grpo_jax.hf import load_hf_model, save_hf_model
-from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs
-from grpo_jax.lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, TARGETS, LoraConfig, init_adapters,
+from grpo_jax.model.hf import load_hf_model, save_hf_model
+from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs
+from grpo_jax.model.lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, TARGETS, LoraConfig, init_adapters,
                            merge_adapters, save_peft_adapter)
-from grpo_jax.losses import LossConfig
-from grpo_jax.model import ModelConfig, create_model, param_dict, positions_from_mask
-from grpo_jax.sampler import Sampler, SamplerConfig
-from grpo_jax.sharding import MeshConfig, make_mesh, state_shardings
+from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.model.transformer import ModelConfig, create_model, param_dict, positions_from_mask
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
+from grpo_jax.parallel.sharding import MeshConfig, make_mesh, state_shardings
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                     qkv_bias=True)
@@ -310,8 +310,8 @@ def distinct_characters_reward(records, completions, lengths):
 
 
 def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_path):
-    from grpo_jax.rewards import register_function
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.algorithm.rewards import register_function
+    from grpo_jax.run.trainer import Trainer
 
     # A reward that varies between completions: with the copy task's, every group of the 3 steps can score
     # evenly, no update moves B, and the check that the adapters trained would fail by chance.
@@ -363,8 +363,8 @@ def test_trainer_trains_and_syncs_only_the_adapters_and_exports_both_forms(tmp_p
 
 
 def test_continuous_engine_samples_with_the_adapters_it_is_sent(tmp_path):
-    from grpo_jax.rewards import register_function
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.algorithm.rewards import register_function
+    from grpo_jax.run.trainer import Trainer
 
     # Synchronous (max_staleness 0): step 2's groups come from the adapters synced after step 1. No warm-up:
     # its first update has lr 0, and then the adapters synced after step 1 would still be the initial ones
@@ -392,7 +392,7 @@ def test_continuous_engine_samples_with_the_adapters_it_is_sent(tmp_path):
 def test_compile_lays_out_adapters_on_a_frozen_base():
     """The TPU compile (libtpu, the jax[tpu] test extra) of a LoRA run: the learner takes the frozen base as an
     argument but updates (donates) only the adapters and their moments, and the sync moves the adapters only."""
-    from grpo_jax.aot import abstract_adapters, compile_run, run_layout, shard_bytes
+    from grpo_jax.planning.compile import abstract_adapters, compile_run, run_layout, shard_bytes
 
     overrides = ["grpo.prompts_per_step=8", "grpo.group_size=4", "mesh.actor_devices=2", "mesh.actor.tensor=2",
                  "mesh.actor.fsdp=1", "mesh.learner.fsdp=2", "sampler.decode_streams=1", "sampler.engine=static",

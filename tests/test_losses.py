@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from grpo_jax.losses import LossConfig, aggregate, kl_per_token, policy_loss
+from grpo_jax.algorithm.losses import LossConfig, aggregate, kl_per_token, policy_loss
 
 B, T = 5, 7
 
@@ -309,7 +309,7 @@ def test_validate():
 
 
 def config_warnings(*overrides):
-    from grpo_jax.config import Config
+    from grpo_jax.run.config import Config
     from grpo_jax.config_io import build_config
     return build_config(Config, {"tokenizer": "byte"}, list(overrides)).warnings()
 

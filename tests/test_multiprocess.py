@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax.distributed import EXIT_COLLECTIVE_TIMEOUT
+from grpo_jax.parallel.distributed import EXIT_COLLECTIVE_TIMEOUT
 from test_distributed import read_until
 from test_trainer import FAST, REPO
 
@@ -128,8 +128,8 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
     log = (tmp_path / "process0.log").read_text()
     assert ("actor: one mesh across" in log) == across
     # Written by process 0 from weights gathered one at a time by all processes: loadable, finite.
-    from grpo_jax.hf import load_hf_model
-    from grpo_jax.model import param_dict
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.model.transformer import param_dict
     final, _ = load_hf_model(run_dir / "final_model")
     assert all(np.isfinite(np.asarray(w)).all() for w in param_dict(final).values())
     for row in rows:  # every process held the same weights after every step (across hosts: one copy, none to compare)
@@ -178,13 +178,13 @@ process, port, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process,
                            heartbeat_timeout_seconds=10, initialization_timeout=60, shutdown_timeout_seconds=5)
-from grpo_jax.distributed import HostAgreement
+from grpo_jax.parallel.distributed import HostAgreement
 agreement = HostAgreement(jax.devices(), timeout_s=timeout_s)
 assert agreement.gather([process]).tolist() == [[0], [1]]
 if process == 1:
     time.sleep(120)
     sys.exit(0)
-from grpo_jax.trainer import StopSignals
+from grpo_jax.run.trainer import StopSignals
 with StopSignals() as signals:
     print("waiting", flush=True)
     agreement.gather([process])

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import grpo_jax
-from grpo_jax import rewards as R
-from grpo_jax.actor import Actor
+from grpo_jax.algorithm import rewards as R
+from grpo_jax.rollout.actor import Actor, ActorLimits
 from grpo_jax.cli import EXIT_USER_ERROR, main
-from grpo_jax.collector import Prompt
+from grpo_jax.data.collector import Prompt
 from grpo_jax.errors import ConfigError, TrainerError
-from grpo_jax.metrics import MetricsWriter, read_metrics
+from grpo_jax.run.metrics import MetricsWriter, read_metrics
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -162,13 +162,15 @@ class LetterTokenizer:
 def bare_actor(tmp_path, suite, *overrides, prompts_per_step=2):
     config = tiny_config(tmp_path, "grpo.group_size=4", f"grpo.prompts_per_step={prompts_per_step}", *overrides)
     sampler = types.SimpleNamespace(state={"w": jnp.zeros(1)})
-    return Actor(config, sampler, LetterTokenizer(), FakeCollector(prompts_per_step), FakeBuffer(), suite,
-                 base_key=None)
+    limits = ActorLimits(max_steps=config.trainer.max_steps,
+                         reward_error_handouts=config.trainer.reward_error_handouts)
+    return Actor(config.grpo, limits, sampler, LetterTokenizer(), FakeCollector(prompts_per_step), FakeBuffer(),
+                 suite, base_key=None)
 
 
 def finish_handout(actor, first_ordinal, completions):
     """Finish one handout of len(completions) // G groups whose samples decode to `completions`."""
-    g = actor.config.grpo.group_size
+    g = actor.grpo.group_size
     n = len(completions)
     width = max(len(c) for c in completions)
     tokens = np.zeros((n, width), np.int32)

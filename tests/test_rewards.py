@@ -8,8 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from grpo_jax import rewards as R
-from grpo_jax.tasks import TASKS, digits_score, make_synthetic_dataset
+from grpo_jax.algorithm import rewards as R
+from grpo_jax.data.tasks import TASKS, digits_score, make_synthetic_dataset
 
 
 def load_rows(path):

@@ -5,8 +5,8 @@ import json
 import threading
 
 from grpo_jax import cli
-from grpo_jax.collector import Collector
-from grpo_jax.ledger import Ledger, LedgerWriteError, audit
+from grpo_jax.data.collector import Collector
+from grpo_jax.state.ledger import Ledger, LedgerWriteError, audit
 from grpo_jax.errors import RunDirError
 
 from test_trainer import FAST, REPO
@@ -141,7 +141,7 @@ def test_a_full_disk_before_a_train_line_stops_the_run_in_one_line_and_the_rerun
 
 def test_a_full_disk_before_a_metrics_line_stops_the_run_in_one_line_and_the_rerun_resumes_exactly(
         small_disk, monkeypatch, capsys):
-    from grpo_jax.metrics import MetricsWriter
+    from grpo_jax.run.metrics import MetricsWriter
 
     run = small_disk.path / "run"
     write_metrics, failed_at = MetricsWriter.write, []
@@ -172,7 +172,7 @@ def test_a_full_disk_before_a_metrics_line_stops_the_run_in_one_line_and_the_rer
 
 
 def test_a_config_yaml_that_cannot_be_written_is_refused_in_one_line(small_disk, monkeypatch, capsys):
-    from grpo_jax.run_lock import RunDirLock
+    from grpo_jax.state.run_lock import RunDirLock
 
     run = small_disk.path / "run"
     acquire = RunDirLock.acquire

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from grpo_jax import cli, errors, run_lock
-from grpo_jax.run_lock import RunDirLock, lock_file
+from grpo_jax.state.run_lock import RunDirLock, lock_file
 
 from test_trainer import FAST
 
@@ -34,7 +34,7 @@ if os.environ.get("NO_FLOCK"):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
     fcntl.flock = no_flock
-from grpo_jax.run_lock import RunDirLock
+from grpo_jax.state.run_lock import RunDirLock
 lock = RunDirLock(sys.argv[1])
 lock.acquire()
 print("held", os.getpid(), flush=True)
@@ -51,7 +51,7 @@ if os.environ.get("NO_FLOCK"):
         raise OSError(errno.ENOLCK, "No locks available")
     fcntl.flock = no_flock
 from grpo_jax.errors import RunDirError
-from grpo_jax.run_lock import RunDirLock
+from grpo_jax.state.run_lock import RunDirLock
 try:
     RunDirLock(sys.argv[1]).acquire()
     print("acquired")
@@ -223,11 +223,11 @@ def test_two_starts_taking_over_one_stale_lock_at_once_end_with_one_holder(tmp_p
                 acquire("a", a)
 
     handler = AWhenBJudgesItStale()
-    logging.getLogger("grpo_jax.run_lock").addHandler(handler)
+    logging.getLogger("grpo_jax.state.run_lock").addHandler(handler)
     try:
         acquire("b", b)
     finally:
-        logging.getLogger("grpo_jax.run_lock").removeHandler(handler)
+        logging.getLogger("grpo_jax.state.run_lock").removeHandler(handler)
     try:
         assert sorted(outcome) == ["a", "b"], outcome  # A tried while B was taking over
         holders = [name for name, what in outcome.items() if what == "acquired"]
@@ -270,7 +270,7 @@ def test_a_holder_whose_lock_was_taken_or_deleted_notices_within_a_heartbeat(tmp
 
 
 def test_the_trainer_stops_at_the_next_step_when_another_start_takes_its_lock(tmp_path, monkeypatch, capsys):
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.run.trainer import Trainer
 
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
     run_dir = tmp_path / "run"

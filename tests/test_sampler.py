@@ -10,8 +10,9 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from grpo_jax.model import ModelConfig, create_model
-from grpo_jax.sampler import Sampler, SamplerConfig, sample_logits
+from grpo_jax.model.transformer import ModelConfig, create_model
+from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
 VOCAB = 300
 PAD = 0

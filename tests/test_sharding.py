@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.model import ModelConfig, create_model
-from grpo_jax.sharding import MeshConfig, batch_sharding, cut_devices, make_mesh, shard_module, spec_for
+from grpo_jax.model.transformer import ModelConfig, create_model
+from grpo_jax.parallel.sharding import MeshConfig, batch_sharding, cut_devices, make_mesh, shard_module, spec_for
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=8, num_kv_heads=2, qkv_bias=True)

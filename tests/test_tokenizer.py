@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_jax.errors import CheckpointError
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.data.tokenizer import Tokenizer
 
 transformers.logging.set_verbosity_error()
 

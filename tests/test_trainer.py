@@ -6,11 +6,11 @@ import pathlib
 import jax
 import pytest
 
-from grpo_jax.config import Config
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config
-from grpo_jax.ledger import audit
-from grpo_jax.metrics import REQUIRED_KEYS
-from grpo_jax.trainer import Trainer, TrainerError
+from grpo_jax.state.ledger import audit
+from grpo_jax.run.metrics import REQUIRED_KEYS
+from grpo_jax.run.trainer import Trainer, TrainerError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "grpo.group_size=4",
@@ -69,7 +69,7 @@ def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
     assert len(rows) == 6 and rows[-1]["step"] == 6
     assert list((tmp_path / "tb").iterdir()), "no TensorBoard event file"
     assert (tmp_path / "config.yaml").is_file()
-    from grpo_jax.hf import load_hf_model
+    from grpo_jax.model.hf import load_hf_model
     final, _ = load_hf_model(tmp_path / "final_model")  # the trained policy, loadable as a HF checkpoint
     assert (jax.device_get(final.embed[...]) == jax.device_get(trainer.learner.params["embed"][...])).all()
     # The learner's and the actor's copy of the weights agree after the last sync.
@@ -78,7 +78,7 @@ def test_async_run_on_split_meshes_accounts_for_every_prompt(tmp_path):
     assert set(actor_leaf.sharding.device_set) <= set(trainer.actor_mesh.devices.flat)
     assert (jax.device_get(learner_leaf) == jax.device_get(actor_leaf)).all()
 
-    from grpo_jax.plot import plot_run
+    from grpo_jax.run.plot import plot_run
     names = {p.name for p in plot_run(tmp_path)}
     assert {"reward.png", "kl.png", "lengths.png", "staleness.png", "throughput.png"} <= names
 
@@ -158,9 +158,9 @@ def test_bad_rows_are_dropped_with_a_reason(tmp_path, gsm8k_dir):
 def test_gsm8k_config_runs_two_steps_with_a_tiny_qwen2(tmp_path, gsm8k_dir):
     """The shipped GSM8K config, with a random tiny Qwen2 of the same architecture in place of the real
     checkpoint and the real GSM8K prompts and reward, on 4 + 4 simulated devices."""
-    from grpo_jax.hf import save_hf_model
-    from grpo_jax.model import ModelConfig, create_model
-    from grpo_jax.tokenizer import Tokenizer
+    from grpo_jax.model.hf import save_hf_model
+    from grpo_jax.model.transformer import ModelConfig, create_model
+    from grpo_jax.data.tokenizer import Tokenizer
 
     model_dir = tmp_path / "tiny_qwen2"
     tiny = ModelConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from grpo_jax.cli import main
-from grpo_jax.learner import NonFiniteError, token_logprobs
-from grpo_jax.trainer import Trainer
+from grpo_jax.algorithm.learner import NonFiniteError, token_logprobs
+from grpo_jax.run.trainer import Trainer
 from test_trainer import REPO, FAST, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 

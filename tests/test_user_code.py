@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 import grpo_jax
-from grpo_jax import rewards as R
+from grpo_jax.algorithm import rewards as R
 from grpo_jax.api import resolve_config
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import ConfigError
-from grpo_jax.trainer import Trainer
+from grpo_jax.run.trainer import Trainer
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, tiny_config
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")

@@ -13,11 +13,11 @@ import pytest
 
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import ConfigError, config_to_dict
-from grpo_jax.ledger import audit
-from grpo_jax.metrics import read_metrics
-from grpo_jax.run_lock import lock_file
-from grpo_jax.trainer import Trainer
-from grpo_jax.wandb_logger import RUN_ID_FILE, ledger_numbers
+from grpo_jax.state.ledger import audit
+from grpo_jax.run.metrics import read_metrics
+from grpo_jax.state.run_lock import lock_file
+from grpo_jax.run.trainer import Trainer
+from grpo_jax.run.wandb_logger import RUN_ID_FILE, ledger_numbers
 from test_trainer import FAST, REPO, tiny_config
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -83,8 +83,8 @@ def test_wandb_gets_each_metrics_row_the_config_and_the_ledger_summary(tmp_path,
 def test_evaluations_reach_wandb_at_steps_that_never_go_back(tmp_path, fake_wandb):
     """An evaluation of weight version k can finish after the learner wrote step k + n, and W&B drops a step
     below its last one: the row goes at the last learner step written, with the version it measured."""
-    from grpo_jax.metrics import MetricsWriter
-    from grpo_jax.wandb_logger import WandbConfig
+    from grpo_jax.run.metrics import MetricsWriter
+    from grpo_jax.run.wandb_logger import WandbConfig
 
     writer = MetricsWriter(tmp_path, total_steps=2, progress=False, tensorboard=False,
                            wandb=WandbConfig(mode="offline", project="p"), run_config={"seed": 0})
@@ -132,7 +132,7 @@ def test_wandb_requested_but_not_installed_is_one_config_line(tmp_path, capsys, 
 
 def test_an_installed_wandb_that_fails_to_import_is_one_config_line(tmp_path, monkeypatch):
     # A broken install raises what its dependencies raise (protobuf: TypeError), not only ImportError.
-    from grpo_jax.wandb_logger import WandbConfig, WandbLogger
+    from grpo_jax.run.wandb_logger import WandbConfig, WandbLogger
 
     lib = tmp_path / "lib"
     lib.mkdir()

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax.model import ModelConfig, create_model
-from grpo_jax.sampler import Sampler, SamplerConfig
-from grpo_jax.sharding import MeshConfig, make_mesh, shard_module, state_shardings
-from grpo_jax.weight_sync import WeightSync, host_copy_mesh, reshard_local
+from grpo_jax.model.transformer import ModelConfig, create_model
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
+from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module, state_shardings
+from grpo_jax.rollout.weight_sync import WeightSync, host_copy_mesh, reshard_local
 
 # Dimensions that divide over 4 and 8 devices (so "split over every device" is checkable), plus a qkv bias
 # and a vocab that 8 does not divide (leaves replicated or split on one axis only).
@@ -270,7 +270,7 @@ def test_sampling_with_the_cast_weights_is_bit_identical():
 def test_trainer_actor_keeps_the_compute_dtype_copy(tmp_path, lora):
     from test_trainer import tiny_config
 
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.run.trainer import Trainer
 
     overrides = ["model.dtype=bfloat16", "model.param_dtype=float32", "trainer.max_steps=2", "mesh.actor_devices=4",
                  "mesh.actor.fsdp=1", "mesh.actor.tensor=4", "mesh.learner.fsdp=4", "sampler.engine=static",

@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from grpo_jax.config import Config  # noqa: E402
+from grpo_jax.run.config import Config  # noqa: E402
 from grpo_jax.config_io import load_config  # noqa: E402
-from grpo_jax.engine import Engine  # noqa: E402
-from grpo_jax.trainer import Trainer  # noqa: E402
+from grpo_jax.rollout.engine import Engine  # noqa: E402
+from grpo_jax.run.trainer import Trainer  # noqa: E402
 
 QUIET = ["trainer.progress=false", "trainer.tensorboard=false"]
 # Device-like mode: every sample is exactly max_new_tokens long and one step's samples fill the slots once, in

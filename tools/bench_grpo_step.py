@@ -26,11 +26,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from grpo_jax.advantages import group_advantages  # noqa: E402
-from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
-from grpo_jax.losses import LossConfig  # noqa: E402
-from grpo_jax.model import ModelConfig, create_model  # noqa: E402
-from grpo_jax.sampler import Sampler, SamplerConfig  # noqa: E402
+from grpo_jax.algorithm.advantages import group_advantages  # noqa: E402
+from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
+from grpo_jax.model.transformer import ModelConfig, create_model  # noqa: E402
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
                     num_kv_heads=2, qkv_bias=True, tie_embeddings=False)

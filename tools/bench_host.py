@@ -37,9 +37,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from grpo_jax.learner import TrainBatch, pack_batch  # noqa: E402
-from grpo_jax.replay_buffer import Group, ReplayBuffer  # noqa: E402
-from grpo_jax.trainer import group_rows  # noqa: E402
+from grpo_jax.algorithm.learner import TrainBatch, pack_batch  # noqa: E402
+from grpo_jax.state.replay_buffer import Group, ReplayBuffer  # noqa: E402
+from grpo_jax.run.trainer import group_rows  # noqa: E402
 
 
 def sampler_outputs(rng, groups: int, g: int, prompt_len: int, new_tokens: int):
@@ -54,7 +54,7 @@ def sampler_outputs(rng, groups: int, g: int, prompt_len: int, new_tokens: int):
 
 
 def build_groups(prompts, tokens, logprobs, lengths, g: int, version: int, first_ordinal: int) -> list[Group]:
-    """As the actor builds them (grpo_jax.actor.Actor._process): one array per completion."""
+    """As the actor builds them (grpo_jax.rollout.actor.Actor._process): one array per completion."""
     out = []
     for i, prompt in enumerate(prompts):
         rows = range(i * g, (i + 1) * g)

@@ -4,7 +4,7 @@ Workload (GRPO-like): 64 prompts of 64 tokens x 8 samples = 512 completions of u
 1, float32, on the random Qwen2 shape of tools/bench_sampler.py. The model is made so that an end-of-sequence
 token has a set probability at every step (--eos-prob, default 0.008): completion lengths are then geometric
 and capped, so most rows stop early and a few run to the limit (the length distribution is printed). Both
-sides run identical weights (a transformers model saved with save_pretrained and loaded through grpo_jax.hf).
+sides run identical weights (a transformers model saved with save_pretrained and loaded through grpo_jax.model.hf).
 
 Measured, in one run, as tokens of finished completions per second of wall time:
   (a) grpo_jax's static Sampler: one generate call over all 512 rows (each of its decode_streams batches runs
@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from grpo_jax.engine import Engine  # noqa: E402
-from grpo_jax.hf import load_hf_model  # noqa: E402
-from grpo_jax.sampler import Sampler, SamplerConfig  # noqa: E402
+from grpo_jax.rollout.engine import Engine  # noqa: E402
+from grpo_jax.model.hf import load_hf_model  # noqa: E402
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, MAX_NEW, VOCAB = 64, 8, 64, 512, 32000
 EOS = VOCAB - 1

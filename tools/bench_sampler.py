@@ -3,7 +3,7 @@
 Workload: batch 64, 64-token prompts, exactly 128 new tokens each (no eos stop), temperature 1, float32.
 `--engine continuous` (the default, as in the trainer) runs grpo_jax's continuous Engine with 64 slots (the
 64 prompts fill them once; each decode chunk is a device call); `--engine static` the static Sampler.
-A random transformers Qwen2ForCausalLM is saved with save_pretrained and loaded through grpo_jax.hf, so
+A random transformers Qwen2ForCausalLM is saved with save_pretrained and loaded through grpo_jax.model.hf, so
 both sides run identical weights (checked: max |logit difference| is printed). Compilation / first-call
 warm-up is timed separately; the two generators then alternate `--repeats` times (so background load hits
 both alike) and the median of each is reported.
@@ -31,9 +31,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from grpo_jax.engine import make_generator  # noqa: E402
-from grpo_jax.hf import load_hf_model  # noqa: E402
-from grpo_jax.sampler import SamplerConfig  # noqa: E402
+from grpo_jax.rollout.engine import make_generator  # noqa: E402
+from grpo_jax.model.hf import load_hf_model  # noqa: E402
+from grpo_jax.rollout.sampler import SamplerConfig  # noqa: E402
 
 BATCH, PROMPT, NEW, VOCAB = 64, 64, 128, 32000
 

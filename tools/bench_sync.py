@@ -38,9 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
-from grpo_jax.sharding import MeshConfig, make_mesh, shard_module, state_shardings  # noqa: E402
-from grpo_jax.weight_sync import WeightSync  # noqa: E402
+from grpo_jax.model.transformer import ModelConfig, count_params, create_model  # noqa: E402
+from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module, state_shardings  # noqa: E402
+from grpo_jax.rollout.weight_sync import WeightSync  # noqa: E402
 
 TINY = ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
                    tie_embeddings=True, max_position_embeddings=64)

@@ -127,10 +127,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from grpo_jax.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
-from grpo_jax.lora import LoraConfig, init_adapters  # noqa: E402
-from grpo_jax.losses import LossConfig  # noqa: E402
-from grpo_jax.model import ModelConfig, count_params, create_model  # noqa: E402
+from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.model.lora import LoraConfig, init_adapters  # noqa: E402
+from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
+from grpo_jax.model.transformer import ModelConfig, count_params, create_model  # noqa: E402
 
 
 def model_flops(c: ModelConfig, batch: int, seq: int, scored: int = 0, epochs: int = 1,
@@ -235,8 +235,8 @@ def breakdown(learner: Learner, batch, loss_config: LossConfig, repeats: int) ->
     that a change in the machine's load hits all of them alike)."""
     import optax
 
-    from grpo_jax.losses import policy_loss
-    from grpo_jax.model import positions_from_mask
+    from grpo_jax.algorithm.losses import policy_loss
+    from grpo_jax.model.transformer import positions_from_mask
 
     graphdef, params, opt = learner.graphdef, learner.params, learner.optimizer
 

@@ -8,6 +8,8 @@ statistics nor receive an advantage.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -94,3 +96,27 @@ def advantage_stats(rewards, advantages, zero_var, valid=None) -> dict:
     out["reward/group_std_mean"] = gstd.mean()
     out["frac_zero_var_groups"] = jnp.asarray(zero_var, r.dtype).mean()
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """The GRPO section of the config: groups, steps, staleness and how advantages are computed."""
+
+    group_size: int = 8  # completions per prompt (G)
+    prompts_per_step: int = 8  # groups per learner step (also the handout size)
+    max_staleness: int = 1  # learner steps a group may lag the weights that train it; 0 = synchronous
+    baseline: str = "mean"  # "mean" (GRPO) or "leave_one_out"
+    scale_by_std: bool = True  # False: Dr. GRPO
+    filter_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.group_size < 2:
+            problems.append(f"group_size={self.group_size}: must be >= 2 (advantages compare samples of a group)")
+        if self.prompts_per_step < 1:
+            problems.append(f"prompts_per_step={self.prompts_per_step}: must be >= 1")
+        if self.max_staleness < 0:
+            problems.append(f"max_staleness={self.max_staleness}: must be >= 0")
+        if self.baseline not in BASELINES:
+            problems.append(f"baseline={self.baseline!r}: allowed mean, leave_one_out")
+        return problems

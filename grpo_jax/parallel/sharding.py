@@ -184,3 +184,15 @@ def batch_split_problem(mesh: Mesh, processes: int, rows: int, process: str = "p
     where = (f" over {processes} {plural}; each {process}'s {rows} rows (prompts_per_step / {plural} x "
              f"group_size)" if processes > 1 else f"; its {rows} rows (prompts_per_step x group_size)")
     return f"mesh.learner: the batch is split {splits} ways (data x fsdp){where} must split evenly over those devices"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    """How devices split between the actor (sampling) and the learner (updates)."""
+
+    actor_devices: int = 0  # 0: actor and learner share all devices; n: the first n devices sample
+    actor: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    learner: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def validate(self) -> list[str]:
+        return [] if self.actor_devices >= 0 else [f"actor_devices={self.actor_devices}: must be >= 0"]

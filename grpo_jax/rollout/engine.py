@@ -1,6 +1,6 @@
 """Continuous-batching rollout engine: slots, one prefill per prompt shared by its samples, in-flight updates.
 
-The static sampler (grpo_jax.sampler) runs one batch until its longest row ends, prefills every prompt once
+The static sampler (grpo_jax.rollout.sampler) runs one batch until its longest row ends, prefills every prompt once
 per sample, and takes new weights only between calls. With long-tailed completion lengths most of its rows
 sit finished while a few run on. This engine keeps a fixed number of sequences in flight instead:
 
@@ -48,8 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model import positions_from_mask, rope_inverse_frequencies
-from grpo_jax.sampler import SampleResult, Sampler, SamplerConfig, _bucket, sample_logits, vocab_major_head
+from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
+from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.rollout.sampler import SampleResult, Sampler, SamplerConfig, _bucket, vocab_major_head
 
 DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
@@ -392,7 +393,7 @@ class Engine:
 
     def program_shapes(self, group_size: int = 1) -> tuple[list[int], list[int], list[int]]:
         """The shapes of the programs a run with groups of `group_size` samples can use (what warm_up compiles,
-        and grpo_jax.aot compiles for a TPU slice): the bank sizes (full, then halved one step at a time while
+        and grpo_jax.planning.compile compiles for a TPU slice): the bank sizes (full, then halved one step at a time while
         draining), the prompt buckets, and the admission's row counts (every power-of-two count of prompts one
         bank can take at a boundary, partly placed groups included)."""
         cfg = self.config

@@ -402,7 +402,7 @@ def load_tokenizer(name: str, model_path: str = "") -> Tokenizer:
     if name == "byte":
         return Tokenizer.byte_level()
     if name == "synthetic":
-        from grpo_jax.tasks import SYNTHETIC_ALPHABET
+        from grpo_jax.data.tasks import SYNTHETIC_ALPHABET
         return Tokenizer.char_level(SYNTHETIC_ALPHABET)
     if not name and not model_path:
         raise ConfigError("tokenizer='': set tokenizer ('byte', 'synthetic' or a directory) when no model_path "

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.sharding import MESH_AXES
+from grpo_jax.parallel.sharding import MESH_AXES
 
 
 def host_copy_mesh(mesh: Mesh, hosts: int | None = None) -> Mesh | None:

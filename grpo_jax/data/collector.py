@@ -20,7 +20,7 @@ thread calls handout/mark_finished/mark_dropped while the learner calls mark_tra
 checkpoint_state. Each method holds the one lock for its whole duration, so a checkpoint never sees a
 half-made handout or a half-accounted step.
 
-The ledger (grpo_jax.ledger.Ledger), when given, is written under the same lock as the accounting it
+The ledger (grpo_jax.state.ledger.Ledger), when given, is written under the same lock as the accounting it
 records, and `checkpoint_state` fsyncs it and records which ledger line it covers. That makes "the
 checkpoint covers exactly the ledger lines whose effect it contains" hold even with two threads. Each
 line is written BEFORE the accounting it records changes: a line that cannot be written (a full disk)
@@ -43,7 +43,7 @@ from grpo_jax.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = "grpo_jax.collector/1"
+STATE_FORMAT = "grpo_jax.data.collector/1"
 # Drop reason for prompts a restore cannot hand out again because the snapshot ring no longer reached
 # back far enough when the checkpoint was taken (see Collector.checkpoint_state).
 RING_OVERRUN_REASON = "snapshot_ring_overrun"
@@ -246,7 +246,7 @@ class Collector:
       - the actor calls mark_finished(o) BEFORE buffer.put(group): the learner may take the group at once;
       - a checkpoint takes buffer.to_state() FIRST, then checkpoint_state(its "ordinals") (see there).
 
-    `ledger` (optional, grpo_jax.ledger.Ledger): mark_trained and mark_dropped then write their ledger
+    `ledger` (optional, grpo_jax.state.ledger.Ledger): mark_trained and mark_dropped then write their ledger
     line under the collector's lock, and checkpoint_state fsyncs the ledger and records the line covered,
     so the checkpoint covers exactly the ledger lines whose effect it contains, whatever the actor does
     meanwhile. Without one the caller writes the ledger and must keep that consistency itself.

@@ -62,10 +62,10 @@ import optax
 from flax import nnx
 
 from grpo_jax.errors import UserError
-from grpo_jax.lora import merge_adapters
-from grpo_jax.losses import LossConfig, policy_loss
-from grpo_jax.model import Transformer, positions_from_mask
-from grpo_jax.sampler import _nucleus_cut
+from grpo_jax.model.lora import merge_adapters
+from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.model.transformer import Transformer, positions_from_mask
+from grpo_jax.algorithm.sampling import tempered_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,54 +173,6 @@ class TrainBatch:
     def scored(self, x: jax.Array) -> jax.Array:
         """The [B, L-1, ...] per-position array cut to the positions that score completion tokens."""
         return x if not self.completion_len else x[:, x.shape[1] - self.completion_len:]
-
-
-def truncation_mask(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """[..., V] bool: the tokens the sampler keeps for float32 logits [..., V] (untempered): top-k, then top-p
-    on the renormalised top-k mass at the temperature, by the sampler's own rule (sampler.sample_logits: the
-    nucleus cut of the tempered mass over the top-k candidates, ties at the cut all kept). Top-k keeps every
-    token at or above the k-th largest logit; the sampler's lax.top_k keeps exactly k, which differs only on
-    an exact float tie at the k-th value."""
-    vocab = logits.shape[-1]
-    keep = jnp.ones(logits.shape, bool)
-    candidates = logits
-    if 0 < top_k < vocab:
-        candidates = jax.lax.top_k(logits, top_k)[0]  # [..., k], descending, as the sampler's
-        keep = logits >= candidates[..., -1:]
-    if top_p < 1.0:
-        n = candidates.shape[-1]
-        flat = candidates.reshape(-1, n)
-        inv_t = np.float32(1.0) / np.float32(temperature)  # the sampler's float32 reciprocal
-        mass = jnp.exp((flat - flat.max(-1, keepdims=True)) * inv_t)
-        # The sampler's nucleus cut works vocab-major ([n, rows]), as its logits come.
-        cut = _nucleus_cut(flat.T, mass.T, jnp.float32(top_p)).reshape(*logits.shape[:-1], 1)
-        keep = keep & (logits >= cut)
-    return keep
-
-
-def tempered_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0, with_entropy: bool = False):
-    """Log-prob of each target [...] under the distribution the sampler draws from given float32 logits
-    [..., V]: softmax(logits / temperature) truncated to truncation_mask's tokens and renormalised, and
-    optionally that distribution's entropy (no gradient). The target always counts as kept: a token the
-    sampler drew may fall outside the learner's set when the weights moved since (or by rounding at the
-    cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at staleness 0 it is in the
-    set anyway."""
-    scaled = logits / temperature if temperature != 1.0 else logits
-    keep = None
-    if top_k or top_p < 1.0:
-        is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
-        keep = truncation_mask(logits, temperature, top_k, top_p) | is_target
-        scaled = jnp.where(keep, scaled, -jnp.inf)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
-    target = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
-    logprobs = target - log_norm
-    if not with_entropy:
-        return logprobs, None
-    probs = jnp.exp(scaled - log_norm[..., None])  # 0 outside the kept set
-    weighted = probs * scaled if keep is None else jnp.where(keep, probs * scaled, 0.0)
-    entropy = log_norm - jnp.sum(weighted, axis=-1)
-    return logprobs, jax.lax.stop_gradient(entropy)
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,

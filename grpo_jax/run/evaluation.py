@@ -46,17 +46,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.data import DataConfig, _check_fields, _resolve_file, _RowError, _ToRecord, json_value, open_source
+from grpo_jax.data.pipeline import DataConfig, _check_fields, _resolve_file, _RowError, _ToRecord, json_value, open_source
 from grpo_jax.errors import DataError
-from grpo_jax.rewards import RewardSpec, RewardSuite
+from grpo_jax.algorithm.rewards import RewardSpec, RewardSuite
 
 if TYPE_CHECKING:
-    from grpo_jax.actor import Actor
-    from grpo_jax.config import Config
-    from grpo_jax.sampler import Sampler
-    from grpo_jax.tokenizer import Tokenizer
+    from grpo_jax.rollout.actor import Actor
+    from grpo_jax.run.config import Config
+    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.data.tokenizer import Tokenizer
 
-logger = logging.getLogger("grpo_jax.evaluation")
+logger = logging.getLogger("grpo_jax.run.evaluation")
 
 # Eval keys are fold_in(fold_in(key(seed), EVAL_KEY_STREAM), dataset_index) then the sample number: a stream
 # apart from the training groups' fold_in(key(seed), ordinal) (no run hands out 2**31 - 1 prompts).

@@ -24,7 +24,7 @@ that names a factory runs that code wherever the config is loaded: the import, t
 
 Each call gets its own copy of its records, so a function may change them. A function that fails on
 every sample never fails the run here: the actor stops the run once no group could be trained for
-trainer.reward_error_handouts handouts (grpo_jax.actor).
+trainer.reward_error_handouts handouts (grpo_jax.rollout.actor).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grpo_jax import tasks
+from grpo_jax.data import tasks
 
 RewardFn = Callable[[list, list, "list[int] | None"], list]
 
@@ -576,7 +576,7 @@ signal.signal(signal.SIGINT, signal.SIG_IGN)
 from multiprocessing.connection import Connection
 requests = Connection(int(sys.argv[1]), writable=False)
 sys.path[:] = requests.recv()
-from grpo_jax.rewards import _serve_in_worker
+from grpo_jax.algorithm.rewards import _serve_in_worker
 _serve_in_worker(requests, Connection(int(sys.argv[2]), readable=False))
 """
 

@@ -59,7 +59,7 @@ from grpo_jax.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "grpo_jax.checkpoint/1"
+FORMAT = "grpo_jax.state.checkpoint/1"
 ITEMS = ("state", "buffer", "collector", "meta")
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints.corrupt"

@@ -53,7 +53,7 @@ class WandbConfig:
 
 
 def ledger_numbers(report) -> dict:
-    """A grpo_jax.ledger.AuditReport's numbers, as W&B summary keys."""
+    """A grpo_jax.state.ledger.AuditReport's numbers, as W&B summary keys."""
     numbers = {
         "ledger/ok": report.ok, "ledger/handed_out": report.handed_out, "ledger/trained": report.trained,
         "ledger/dropped": sum(report.dropped_by_reason.values()), "ledger/lost": len(report.lost),
@@ -93,7 +93,7 @@ class WandbLogger:
         self.run.log(scalars, step=step)
 
     def finish(self) -> None:
-        from grpo_jax.ledger import audit
+        from grpo_jax.state.ledger import audit
 
         self.run.summary.update(ledger_numbers(audit(self.run_dir)))
         self.run.finish()

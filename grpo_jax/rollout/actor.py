@@ -4,12 +4,12 @@
     -> rewards (RewardSuite) -> group advantages -> ReplayBuffer.put, or a drop with its reason
 
 Two ways to generate (sampler.engine):
-- continuous (grpo_jax.engine.Engine), streaming: admitted prompts are submitted to the engine as its slots
+- continuous (grpo_jax.rollout.engine.Engine), streaming: admitted prompts are submitted to the engine as its slots
   free up, the engine decodes one chunk per loop, and each group goes to the buffer (or is dropped) as soon as
   its G samples have finished, whatever the other groups are doing.
-- static (grpo_jax.sampler.Sampler): one handout at a time, generated as one batch and scored together.
+- static (grpo_jax.rollout.sampler.Sampler): one handout at a time, generated as one batch and scored together.
 
-Contract with the learner (grpo_jax.trainer):
+Contract with the learner (grpo_jax.run.trainer):
 - Admission: before generating, the actor reserves buffer slots with its weight version; it generates only
   prompts that can be trained within grpo.max_staleness (ReplayBuffer.admissible / reserve).
 - Weights: the learner hands new weights over with push_weights(state, version); the actor adopts them
@@ -44,6 +44,7 @@ Each process's ledger, ordinals, buffer and checkpoint state stay its own, exact
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import threading
@@ -53,19 +54,18 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from grpo_jax.advantages import group_advantages
-from grpo_jax.collector import Collector, Prompt
-from grpo_jax.config import Config
-from grpo_jax.distributed import HostAgreement
-from grpo_jax.engine import Engine, GroupResult
+from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
+from grpo_jax.data.collector import Collector, Prompt
+from grpo_jax.parallel.distributed import HostAgreement
+from grpo_jax.rollout.engine import Engine, GroupResult
 from grpo_jax.errors import TrainerError
-from grpo_jax.ledger import global_ordinal
-from grpo_jax.replay_buffer import Group, ReplayBuffer
-from grpo_jax.rewards import RewardSuite
-from grpo_jax.sampler import Sampler
-from grpo_jax.tokenizer import Tokenizer
+from grpo_jax.state.ledger import global_ordinal
+from grpo_jax.state.replay_buffer import Group, ReplayBuffer
+from grpo_jax.algorithm.rewards import RewardSuite
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.data.tokenizer import Tokenizer
 
-logger = logging.getLogger("grpo_jax.actor")
+logger = logging.getLogger("grpo_jax.rollout.actor")
 
 
 def group_key(base_key: jax.Array, ordinal: int, regenerations: int) -> jax.Array:
@@ -90,13 +90,22 @@ def _one_line(text: str, limit: int = REWARD_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActorLimits:
+    """What the run allows the actor (from the config's trainer section)."""
+
+    max_steps: int  # the run's last learner step: no prompt is admitted for a step past it
+    group_timeout_s: float = 600.0  # across hosts: how long this host's learner may take to hand over weights
+    reward_error_handouts: int = 10  # handouts in a row whose groups all fail their rewards stop the run; 0: never
+
+
 class Actor:
     """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
 
-    def __init__(self, config: Config, sampler: Sampler | Engine, tokenizer: Tokenizer, collector: Collector,
-                 buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array, version: int = 0,
-                 lockstep: HostAgreement | None = None):
-        self.config = config
+    def __init__(self, grpo: GRPOConfig, limits: ActorLimits, sampler: Sampler | Engine, tokenizer: Tokenizer,
+                 collector: Collector, buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array,
+                 version: int = 0, lockstep: HostAgreement | None = None):
+        self.grpo, self.limits = grpo, limits
         self.lockstep = lockstep  # an actor mesh across hosts: rounds in lockstep with the other processes
         self.base_key = base_key
         self.sampler = sampler
@@ -125,10 +134,10 @@ class Actor:
         self._side_jobs: collections.deque[tuple[int, Callable[[int], None]]] = collections.deque()  # submit_side_job
         # Both jitted for one fixed shape, a handout of groups (padded): the engine finishes groups a few at a
         # time, and eager ops (or a program per group count) cost more host time than the rest of the bookkeeping.
-        g = config.grpo.group_size
+        g = grpo.group_size
         self._rows = collector.handout_size
-        self._advantages = jax.jit(functools.partial(group_advantages, baseline=config.grpo.baseline,
-                                                     scale_by_std=config.grpo.scale_by_std))
+        self._advantages = jax.jit(functools.partial(group_advantages, baseline=grpo.baseline,
+                                                     scale_by_std=grpo.scale_by_std))
         self._keys = jax.jit(jax.vmap(lambda base, ordinal, regenerations: jax.random.key_data(
             jax.random.split(group_key(base, ordinal, regenerations), g)), in_axes=(None, 0, 0)))
         self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
@@ -238,7 +247,7 @@ class Actor:
         """Adopt `version` (the newest any process has been pushed) once this process has it too."""
         if version <= self._version:
             return
-        timeout = self.config.trainer.group_timeout_s
+        timeout = self.limits.group_timeout_s
         with self._cond:
             # This process's learner finished the same collective sync step; its push follows shortly.
             if not self._cond.wait_for(lambda: version in self._pushed, timeout=timeout):
@@ -253,7 +262,7 @@ class Actor:
     def _generate_across_hosts(self, prompts: list[Prompt], counts: list[int], longest: int) -> None:
         """Generate every process's prompts as one batch and finish this process's groups. Each process sends
         a fixed-size row: per prompt its length, tokens (padded to `longest`) and its G keys."""
-        g = self.config.grpo.group_size
+        g = self.grpo.group_size
         width = 1 + longest + 2 * g
         mine = np.zeros((self._rows, width), np.int32)
         keys = self._sample_keys(prompts).reshape(len(prompts), 2 * g).view(np.int32) if prompts else None
@@ -283,7 +292,7 @@ class Actor:
             # too stale before it is trained (a prompt, not a run_ended drop).
             self.buffer.finish()
             return []
-        room = self.buffer.admissible(self._version, self.config.trainer.max_steps)
+        room = self.buffer.admissible(self._version, self.limits.max_steps)
         if room == 0:
             # Either every remaining step is covered, or more would break the staleness bound until the
             # learner moves on; both clear when new weights arrive.
@@ -308,7 +317,7 @@ class Actor:
         free slots (plus one group) at the next chunk boundary, decode one chunk, and finish every group whose
         samples have all ended."""
         engine = self.sampler
-        if engine.waiting_samples < engine.free_slots + self.config.grpo.group_size:
+        if engine.waiting_samples < engine.free_slots + self.grpo.group_size:
             prompts = self._keep_good(self._admit())
             if prompts:
                 for prompt, keys in zip(prompts, self._sample_keys(prompts)):
@@ -381,7 +390,7 @@ class Actor:
         regenerations), G)[j] (with several processes the collector counts this process's own ordinals), so what
         a sample draws does not depend on where or when it is generated."""
         n, index = jax.process_count(), jax.process_index()
-        out = [np.zeros((0, self.config.grpo.group_size, 2), np.uint32)]
+        out = [np.zeros((0, self.grpo.group_size, 2), np.uint32)]
         for start in range(0, len(prompts), self._rows):
             part = prompts[start:start + self._rows]
             ordinals = np.zeros(self._rows, np.uint32)
@@ -409,7 +418,7 @@ class Actor:
         good = self._keep_good(prompts)
         if not good:
             return
-        g = self.config.grpo.group_size
+        g = self.grpo.group_size
         version = self._version
         keys = self._sample_keys(good).reshape(-1, 2)
         prompt_ids = [list(map(int, p.record["prompt_ids"])) for p in good for _ in range(g)]
@@ -422,7 +431,7 @@ class Actor:
 
     def _finish_static(self, prompts: list[Prompt], result, version: int, first: int) -> None:
         """Finish `prompts` from a static generate, whose rows first, first + 1, ... are theirs (G per prompt)."""
-        g = self.config.grpo.group_size
+        g = self.grpo.group_size
         rows = [range(first + i * g, first + (i + 1) * g) for i in range(len(prompts))]
         self._finish(prompts, [GroupResult(
             tag=prompt, tokens=[result.tokens[j, :result.lengths[j]] for j in rows[i]],
@@ -433,7 +442,7 @@ class Actor:
     def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
         """Score finished groups and put each into the buffer, or drop it with its reason. Stops the run when the
         rewards keep failing (see _stop_if_rewards_keep_failing)."""
-        cfg = self.config.grpo
+        cfg = self.grpo
         g = cfg.group_size
         lengths = [len(t) for r in results for t in r.tokens]
         self.generated_tokens += sum(lengths)
@@ -510,7 +519,7 @@ class Actor:
         reward works well enough to train anything (a bug in the reward, a verifier that is down): stop the run with
         one line naming the reward and its last error, instead of dropping the whole dataset epoch after epoch. The
         error reaches the learner through the buffer, as an actor failure does; the thread then ends."""
-        handouts = self.config.trainer.reward_error_handouts
+        handouts = self.limits.reward_error_handouts
         if not handouts or self.reward_error_streak < handouts * self._rows:
             return
         self.error = TrainerError(

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from grpo_jax.metrics import read_metrics
+from grpo_jax.run.metrics import read_metrics
 
 PLOTS = {
     "reward.png": ("Reward", ["reward/mean", "reward/max", "reward/min"]),

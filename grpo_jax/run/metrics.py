@@ -1,10 +1,10 @@
 """Per-step metrics: RUN_DIR/metrics.jsonl, TensorBoard event files under RUN_DIR/tb/, a progress bar and,
-when trainer.wandb asks for it, Weights & Biases (grpo_jax.wandb_logger).
+when trainer.wandb asks for it, Weights & Biases (grpo_jax.run.wandb_logger).
 
-metrics.jsonl is the source of truth (each line one write, grpo_jax.line_file: a full disk stops the run
+metrics.jsonl is the source of truth (each line one write, grpo_jax.state.line_file: a full disk stops the run
 with one line naming the file, never leaves a torn line); TensorBoard, W&B and the progress bar are views of
 the same numbers. It holds one JSON object per learner step (no "kind" key) and, with evaluations
-(grpo_jax.evaluation), one more line per finished evaluation, marked "kind": "eval", whose "step" is the last
+(grpo_jax.run.evaluation), one more line per finished evaluation, marked "kind": "eval", whose "step" is the last
 learner step written before it (so "step" never goes back over the file) and whose "eval/weight_version" is
 the weight version it measured: evaluations finish out of step order (one of version k finishes while the
 learner is past k, the last one after the last step). Each evaluation is also a line of RUN_DIR/eval.jsonl,
@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from grpo_jax.cleanup import run_all
 from grpo_jax.errors import RunDirError
-from grpo_jax.line_file import LineFile
-from grpo_jax.wandb_logger import WandbConfig, WandbLogger
+from grpo_jax.state.line_file import LineFile
+from grpo_jax.run.wandb_logger import WandbConfig, WandbLogger
 
 EVAL_KIND = "eval"  # the "kind" of an evaluation line of metrics.jsonl; learner-step lines have no "kind"
 KINDS = ("step", "eval", "all")
@@ -62,7 +62,7 @@ def _scalars(metrics: dict) -> dict:
 
 def reward_failure_rates(metrics: dict) -> dict[str, float]:
     """{label: rate} of the reward functions that failed samples, from a row's `reward/<label>/failure_rate` keys
-    (grpo_jax.rewards.RewardSuite.metrics); rates of 0 or NaN (nothing scored) left out."""
+    (grpo_jax.algorithm.rewards.RewardSuite.metrics); rates of 0 or NaN (nothing scored) left out."""
     prefix, suffix = "reward/", "/failure_rate"
     return {key[len(prefix):-len(suffix)]: value for key, value in metrics.items()
             if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix)

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model import ModelConfig, Transformer
-from grpo_jax.safetensors_io import save_file
+from grpo_jax.model.transformer import ModelConfig, Transformer
+from grpo_jax.model.safetensors_io import save_file
 
 # The projections an adapter can target, and their Hugging Face module names inside a decoder layer.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -258,7 +258,7 @@ def base_identity(model_path: str, model_config: ModelConfig, seed: int) -> str:
                     f.seek(size * k // SAMPLES)
                     digest.update(f.read(SAMPLE_BYTES))
     else:
-        from grpo_jax.hf import RUN_SETTINGS
+        from grpo_jax.model.hf import RUN_SETTINGS
         architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in RUN_SETTINGS}
         digest.update(json.dumps({"seed": seed, "model": architecture}, sort_keys=True).encode())
     return digest.hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 Threads and data path:
 
-    Grain iterator -> Collector (ordinals, snapshots) -> actor thread (grpo_jax.actor: sampler on the
+    Grain iterator -> Collector (ordinals, snapshots) -> actor thread (grpo_jax.rollout.actor: sampler on the
     actor mesh, rewards, advantages) -> ReplayBuffer (finished groups + weight version) -> learner loop
     (main thread, learner mesh) -> new weights resharded onto the actor mesh.
 
@@ -15,7 +15,7 @@ synchronous, on-policy GRPO through the same code.
 
 Every prompt handed out ends in the ledger (RUN_DIR/events.jsonl) as trained or dropped with a reason.
 
-Checkpoints and resume (grpo_jax.checkpoint; ../shared/reference/frontier-restore.md is binding): every
+Checkpoints and resume (grpo_jax.state.checkpoint; ../shared/reference/frontier-restore.md is binding): every
 checkpoint.every_steps steps and/or every_seconds, the learner saves, as one Orbax step, its parameters and
 optimizer state, the replay buffer (taken first), then the collector state (frontier, the iterator snapshot
 at or before the cut, exact accounting above it, ledger line covered). `train` on a run directory that
@@ -40,31 +40,31 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.actor import Actor
-from grpo_jax.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
+from grpo_jax.rollout.actor import Actor, ActorLimits
+from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
 from grpo_jax.cleanup import run_all
-from grpo_jax.collector import Collector, Prompt
-from grpo_jax.config import Config
+from grpo_jax.data.collector import Collector, Prompt
+from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
-from grpo_jax.data import FINGERPRINT_PREFIX, DataError, make_data_iterator
-from grpo_jax.distributed import HostAgreement, by_process
+from grpo_jax.data.pipeline import FINGERPRINT_PREFIX, DataError, make_data_iterator
+from grpo_jax.parallel.distributed import HostAgreement, by_process
 from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
-from grpo_jax.evaluation import EvalDuringTraining, Evaluator, held_out_records
-from grpo_jax.learner import Learner, mini_batch_of_row, pack_batch
-from grpo_jax.lora import base_identity, init_adapters, save_peft_adapter
-from grpo_jax.ledger import Ledger, global_ordinal, ledger_file
-from grpo_jax.metrics import MetricsWriter
-from grpo_jax.model import DTYPES, Transformer, create_model
-from grpo_jax.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
-from grpo_jax.rewards import RewardSuite
-from grpo_jax.run_lock import RunDirLock
-from grpo_jax.engine import make_generator
-from grpo_jax.sharding import (DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, shard_module,
+from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
+from grpo_jax.algorithm.learner import Learner, mini_batch_of_row, pack_batch
+from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
+from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
+from grpo_jax.run.metrics import MetricsWriter
+from grpo_jax.model.transformer import DTYPES, Transformer, create_model
+from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.algorithm.rewards import RewardSuite
+from grpo_jax.state.run_lock import RunDirLock
+from grpo_jax.rollout.engine import make_generator
+from grpo_jax.parallel.sharding import (DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, shard_module,
                                state_shardings)
-from grpo_jax.tokenizer import Tokenizer, load_tokenizer
-from grpo_jax.weight_sync import WeightSync
+from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
+from grpo_jax.rollout.weight_sync import WeightSync
 
-logger = logging.getLogger("grpo_jax.trainer")
+logger = logging.getLogger("grpo_jax.run.trainer")
 
 # `grpo-jax train` exits with this after a SIGTERM/SIGINT once its checkpoint is committed (EX_TEMPFAIL:
 # "try again"; run the same command to resume). A second signal exits at once with 128 + the signal.
@@ -79,7 +79,7 @@ def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
         # The architecture comes from the checkpoint's config.json; the model section only chooses how to run
         # it (RUN_SETTINGS). Master weights in model.param_dtype whatever the checkpoint holds: bfloat16
         # weights and AdamW moments would round most updates at a small lr to nothing.
-        from grpo_jax.hf import RUN_SETTINGS, architecture_conflicts, checkpoint_config, load_hf_model
+        from grpo_jax.model.hf import RUN_SETTINGS, architecture_conflicts, checkpoint_config, load_hf_model
         conflicts = architecture_conflicts(config.model, checkpoint_config(config.model_path))
         if conflicts:
             raise ConfigError(f"model.{', model.'.join(conflicts)}: with model_path the architecture comes from "
@@ -406,8 +406,10 @@ class Trainer:
                                       config=config.sampler, adapters=actor_adapters,
                                       slots=self.local_prompts * grpo.group_size, version=self.version)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
-        self.actor = Actor(config, self.sampler, self.tokenizer, self.collector, self.buffer, self.rewards,
-                           self.base_key, version=self.version,
+        limits = ActorLimits(max_steps=config.trainer.max_steps, group_timeout_s=config.trainer.group_timeout_s,
+                             reward_error_handouts=config.trainer.reward_error_handouts)
+        self.actor = Actor(config.grpo, limits, self.sampler, self.tokenizer, self.collector, self.buffer,
+                           self.rewards, self.base_key, version=self.version,
                            lockstep=HostAgreement(cut.actor, timeout_s=config.trainer.collective_timeout())
                            if cut.actor_spans_hosts else None)
         if eval_records is not None:
@@ -863,7 +865,7 @@ class Trainer:
         if self._replicate is not None and adapters is not None:
             graphdef, state = nnx.split(adapters)
             adapters = nnx.merge(graphdef, jax.tree.map(fetch, state))
-        from grpo_jax.hf import checkpoint_config, save_hf_model
+        from grpo_jax.model.hf import checkpoint_config, save_hf_model
         # Default: the dtype the weights came in (the checkpoint's, or param_dtype from scratch).
         export_dtype = cfg.trainer.export_dtype or (
             checkpoint_config(cfg.model_path).param_dtype if cfg.model_path else cfg.model.param_dtype)

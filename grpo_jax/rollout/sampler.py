@@ -12,9 +12,8 @@ Design:
   adapted projection), exactly as the learner computes them, and never with dropout.
 - Each row has its own PRNG key and draws one uniform per step from fold_in(key, step): a row's
   completion depends only on its prompt, its key and the weights, not on the rest of the batch.
-- Sampling is exact inverse-CDF sampling on exp(logits - max), done hierarchically (block sums over
-  vocab chunks, pick a block, then a token inside it): one exp pass plus small reductions, instead of
-  a Gumbel draw per vocab entry or a full-vocab sort (both cost as much as the model on CPU).
+- Tokens are drawn by algorithm.sampling.sample_logits (temperature, top-k, top-p; exact inverse-CDF
+  sampling), the distribution the learner's log-probs use too.
 - The LM head, the largest cost of a decode step, is computed as head [V, E] @ hidden^T into
   vocab-major logits [V, B], which sampling consumes as they are: XLA:CPU runs that dot ~12% faster
   than hidden @ head^T. The [V, E] head is kept beside the state (a transposed copy of an untied
@@ -46,9 +45,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax.model import positions_from_mask
+from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.model.transformer import positions_from_mask
 
-VOCAB_BLOCK = 128  # inverse-CDF block size: ~sqrt(vocab) keeps both levels cheap
 MIN_PHASE_STEPS = 16  # shorter decode phases save less attention than their extra loop costs to compile
 ENGINES = ("static", "continuous")  # SamplerConfig.engine
 
@@ -71,7 +70,7 @@ class SamplerConfig:
     # growing KV cache, so that early steps attend over a shorter one (see Sampler._generate_impl):
     # 4 gives ~+3% tokens/s over 1 at 128 new tokens. Each phase is one more decode step to compile.
     decode_phases: int = 4
-    # Which generator the trainer's actor uses: "continuous" (grpo_jax.engine: slots refilled between decode
+    # Which generator the trainer's actor uses: "continuous" (grpo_jax.rollout.engine: slots refilled between decode
     # chunks, one prefill per prompt shared by its samples, groups streamed out as they finish, in-flight
     # weight updates) or "static" (this module: one batch per handout, run until its longest row ends).
     engine: str = "continuous"
@@ -123,115 +122,6 @@ def _phase_ends(new_bucket: int, phases: int) -> list[int]:
     phase ending at `end` needs plen + end - 1 slots; plen + end keeps the sizes round."""
     n = max(1, min(phases, new_bucket // MIN_PHASE_STEPS))
     return [new_bucket * (i + 1) // n for i in range(n)]
-
-
-# ----------------------------------------------------------------------------- sampling from logits
-
-
-def _sortable(x: jnp.ndarray) -> jnp.ndarray:
-    """float32 <-> int32 with the same order (an involution), so a bisection can run over integers."""
-    i = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
-
-
-def _nucleus_cut(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
-    """[B] cut such that x >= cut is the smallest set of highest-x entries whose mass e reaches
-    top_p of the total (x, e: [V, B], vocab-major): "sort descending, keep while the mass before the
-    entry is < top_p", with ties at the cut all kept. Found by bisecting the cut over the float order
-    in 32 passes, because XLA's CPU comparator sort of a 32k vocab costs ~50x a model step. The passes
-    run on [B, V] copies: XLA:CPU fuses their masked sums along the minor axis, not the major one (1.5x).
-    """
-    k, e = _sortable(x).T, e.T
-    target = top_p * e.sum(-1)
-    lo, hi = k.min(-1), k.max(-1)  # invariant: mass(k >= lo) >= target, and the answer is in [lo, hi]
-
-    def body(_, carry):
-        lo, hi = carry
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo + hi) / 2), no overflow
-        ok = jnp.where(k >= mid[:, None], e, 0).sum(-1) >= target
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-
-    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
-    return jax.lax.bitcast_convert_type(_sortable(lo), jnp.float32)
-
-
-def _blocks(x: jnp.ndarray, block: int) -> jnp.ndarray:
-    """[V, B] -> [ceil(V / block), block, B], padded with -inf (zero probability)."""
-    v, b = x.shape
-    nb = -(-v // block)
-    return jnp.pad(x, ((0, nb * block - v), (0, 0)), constant_values=-jnp.inf).reshape(nb, block, b)
-
-
-def _pick(x: jnp.ndarray, i: jnp.ndarray) -> jnp.ndarray:
-    """x[i[b], ..., b] for each row b: entry i along the leading axis of a row-minor array."""
-    return jnp.take_along_axis(x, i.reshape(1, *(1,) * (x.ndim - 2), -1), axis=0)[0]
-
-
-def _inverse_cdf(weight, x: jnp.ndarray, u: jnp.ndarray, block: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Index i with probability w[i] / sum(w) for u ~ U[0, 1), and sum(w); w = weight(x) >= 0 is
-    elementwise, and weight is called on [blocks, block, B] slices of x [V, B] (vocab-major).
-
-    Two levels: cumulative block sums pick a block, then a cumsum inside the block picks the entry.
-    The weights are recomputed for the chosen block instead of kept, so the full [V, B] pass is a
-    single fused exp-and-sum. Clipping to the last entry with positive weight guards against float
-    rounding at the top end.
-    """
-    blocks = _blocks(x, block)
-    nb = blocks.shape[0]
-    sums = weight(blocks).sum(1)  # [nb, B]
-    csum = jnp.cumsum(sums, axis=0)
-    total = csum[-1]
-    target = u * total
-    last_block = nb - 1 - jnp.argmax((sums > 0)[::-1], axis=0)
-    j = jnp.minimum((csum <= target).sum(0), last_block)
-    within = weight(_pick(blocks, j)[None])[0]  # [block, B]
-    rest = target - (_pick(csum, j) - _pick(sums, j))
-    last_in = block - 1 - jnp.argmax((within > 0)[::-1], axis=0)
-    i = jnp.minimum((jnp.cumsum(within, axis=0) <= rest).sum(0), last_in)
-    return j * block + i, total
-
-
-def sample_logits(logits, u, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool,
-                  block: int = VOCAB_BLOCK, vocab_major: bool = False):
-    """Sample one token per row of float32 logits [B, V] ([V, B] if vocab_major) given uniforms u [B].
-
-    Returns (tokens [B] int32, logprobs [B] float32): the log-probability of the token under the
-    distribution actually sampled from (temperature, then top-k, then top-p on the renormalised
-    top-k mass). Greedy returns the argmax and its log-softmax under the raw (temperature 1) logits.
-
-    The work is done vocab-major (rows on the minor axis): the layout in which the sampler's LM head
-    is fastest (see the module docstring).
-    """
-    x = logits.astype(jnp.float32)
-    x = x if vocab_major else x.T
-    if greedy:  # block maxima, then the argmax inside the winning block: one pass, not a [V, B] argmax
-        blocks = _blocks(x, block)
-        block_max = blocks.max(1)
-        j = jnp.argmax(block_max, axis=0)
-        i = jnp.argmax(_pick(blocks, j), axis=0)
-        m = block_max.max(0)
-        lp = -jnp.log(jnp.exp(blocks - m).sum((0, 1)))  # log-softmax at the argmax
-        return (j * block + i).astype(jnp.int32), lp
-    # Top-k and top-p only need the order of the logits, which temperature does not change, so the
-    # temperature is folded into the one exp pass instead of a separate pass over [V, B].
-    ids = None
-    if top_k:
-        # Sorted candidates: cheap for small k, unlike a full sort. The barrier keeps XLA from folding the
-        # transpose into the LM head's dot, which then takes its slower [B, V] form.
-        x, ids = jax.lax.top_k(jax.lax.optimization_barrier(x).T, top_k)
-        x, ids = x.T, ids.T
-    inv_t = 1.0 / temperature
-    m = x.max(0)
-    cut = _nucleus_cut(x, jnp.exp((x - m) * inv_t), top_p) if use_top_p else None
-
-    def weight(xs):  # xs: [n, block, B]
-        e = jnp.exp((xs - m) * inv_t)
-        return e if cut is None else jnp.where(xs >= cut, e, 0.0)
-
-    idx, total = _inverse_cdf(weight, x, u, block)
-    lp = (_pick(x, idx) - m) * inv_t - jnp.log(total)
-    tok = idx if ids is None else _pick(ids, idx)
-    return tok.astype(jnp.int32), lp
 
 
 # ----------------------------------------------------------------------------- the sampler

@@ -60,7 +60,7 @@ import grain
 import numpy as np
 
 from grpo_jax.errors import DataError
-from grpo_jax.tasks import TASKS, make_synthetic_dataset
+from grpo_jax.data.tasks import TASKS, make_synthetic_dataset
 
 SOURCES = ("jsonl", "parquet", "tfds", "synthetic")
 PROMPT_FORMATS = ("plain", "chat")

@@ -56,17 +56,18 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from grpo_jax.config import Config
-from grpo_jax.distributed import by_process
-from grpo_jax.engine import Engine, SlotState
+from grpo_jax.run.config import Config
+from grpo_jax.parallel.distributed import by_process
+from grpo_jax.rollout.engine import Engine, SlotState
 from grpo_jax.errors import ConfigError, UserError
-from grpo_jax.learner import TrainBatch, make_optimizer, make_train_step, token_logprobs
-from grpo_jax.lora import LoraConfig, init_adapters
-from grpo_jax.model import DTYPES, ModelConfig, Transformer, positions_from_mask
-from grpo_jax.sampler import Sampler, _bucket, _phase_ends, sample_logits, vocab_major_head
-from grpo_jax.sharding import (DEFAULT_RULES, batch_sharding, batch_split_problem, cut_devices, make_mesh, spec_for,
+from grpo_jax.algorithm.learner import TrainBatch, make_optimizer, make_train_step, token_logprobs
+from grpo_jax.model.lora import LoraConfig, init_adapters
+from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, positions_from_mask
+from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.rollout.sampler import Sampler, _bucket, _phase_ends, vocab_major_head
+from grpo_jax.parallel.sharding import (DEFAULT_RULES, batch_sharding, batch_split_problem, cut_devices, make_mesh, spec_for,
                                state_shardings)
-from grpo_jax.weight_sync import WeightSync, narrowed
+from grpo_jax.rollout.weight_sync import WeightSync, narrowed
 
 GIB = 1024 ** 3
 
@@ -344,7 +345,7 @@ def run_model_config(config: Config) -> ModelConfig:
     (no weights are read), the config's model section for how to run it (hf.RUN_SETTINGS)."""
     if not config.model_path:
         return config.model
-    from grpo_jax.hf import RUN_SETTINGS, checkpoint_config
+    from grpo_jax.model.hf import RUN_SETTINGS, checkpoint_config
     return dataclasses.replace(checkpoint_config(config.model_path),
                                **{key: getattr(config.model, key) for key in RUN_SETTINGS})
 
@@ -1224,7 +1225,7 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
         work = pathlib.Path(tmp)
         (work / "args.pkl").write_bytes(pickle.dumps((config, topology_name, chips_per_host, config_path)))
         with open(work / "output", "wb") as output:
-            child = subprocess.Popen([sys.executable, "-c", "from grpo_jax.aot import _child_main; _child_main()",
+            child = subprocess.Popen([sys.executable, "-c", "from grpo_jax.planning.compile import _child_main; _child_main()",
                                       str(work)], stdin=subprocess.DEVNULL, stdout=output, stderr=output)
             try:
                 code = child.wait()

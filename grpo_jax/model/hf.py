@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import CheckpointError
-from grpo_jax.model import DTYPES, ModelConfig, Transformer, param_dict
-from grpo_jax.safetensors_io import SafetensorsFile, save_file
-from grpo_jax.tokenizer import Tokenizer, read_json
+from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, param_dict
+from grpo_jax.model.safetensors_io import SafetensorsFile, save_file
+from grpo_jax.data.tokenizer import Tokenizer, read_json
 
 __all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpoint_config",
            "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model", "save_hf_model"]
@@ -381,7 +381,7 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
     by_name = {e.ours: e for e in _layout(cfg) if e.ours is not None}
     target = np.dtype(DTYPES[cfg.param_dtype])
     if mesh is not None:
-        from grpo_jax.sharding import DEFAULT_RULES, spec_for
+        from grpo_jax.parallel.sharding import DEFAULT_RULES, spec_for
         rules = DEFAULT_RULES if rules is None else rules
     for path_tuple, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Param):

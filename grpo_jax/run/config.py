@@ -4,51 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_jax.checkpoint import CheckpointConfig
-from grpo_jax.data import DataConfig
-from grpo_jax.distributed import DistributedConfig
-from grpo_jax.evaluation import EvalConfig, eval_problems
-from grpo_jax.learner import OptimConfig
-from grpo_jax.lora import LoraConfig
-from grpo_jax.losses import LossConfig
-from grpo_jax.model import ModelConfig
-from grpo_jax.sampler import SamplerConfig
-from grpo_jax.sharding import MeshConfig
-from grpo_jax.wandb_logger import WandbConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshLayout:
-    """How devices split between the actor (sampling) and the learner (updates)."""
-
-    actor_devices: int = 0  # 0: actor and learner share all devices; n: the first n devices sample
-    actor: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    learner: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-
-    def validate(self) -> list[str]:
-        return [] if self.actor_devices >= 0 else [f"actor_devices={self.actor_devices}: must be >= 0"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    group_size: int = 8  # completions per prompt (G)
-    prompts_per_step: int = 8  # groups per learner step (also the handout size)
-    max_staleness: int = 1  # learner steps a group may lag the weights that train it; 0 = synchronous
-    baseline: str = "mean"  # "mean" (GRPO) or "leave_one_out"
-    scale_by_std: bool = True  # False: Dr. GRPO
-    filter_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
-
-    def validate(self) -> list[str]:
-        problems = []
-        if self.group_size < 2:
-            problems.append(f"group_size={self.group_size}: must be >= 2 (advantages compare samples of a group)")
-        if self.prompts_per_step < 1:
-            problems.append(f"prompts_per_step={self.prompts_per_step}: must be >= 1")
-        if self.max_staleness < 0:
-            problems.append(f"max_staleness={self.max_staleness}: must be >= 0")
-        if self.baseline not in ("mean", "leave_one_out"):
-            problems.append(f"baseline={self.baseline!r}: allowed mean, leave_one_out")
-        return problems
+from grpo_jax.state.checkpoint import CheckpointConfig
+from grpo_jax.data.pipeline import DataConfig
+from grpo_jax.parallel.distributed import DistributedConfig
+from grpo_jax.run.evaluation import EvalConfig, eval_problems
+from grpo_jax.algorithm.advantages import GRPOConfig
+from grpo_jax.algorithm.learner import OptimConfig
+from grpo_jax.model.lora import LoraConfig
+from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.model.transformer import ModelConfig
+from grpo_jax.rollout.sampler import SamplerConfig
+from grpo_jax.parallel.sharding import MeshLayout
+from grpo_jax.run.wandb_logger import WandbConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +85,7 @@ class Config:
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     # Weighted reward terms: [{name, weight, kwargs, label, samples_per_call}]; a name from
-    # grpo_jax.rewards.REWARDS, or a factory of your own by import path "package.module:factory".
+    # grpo_jax.algorithm.rewards.REWARDS, or a factory of your own by import path "package.module:factory".
     rewards: list = dataclasses.field(default_factory=_default_rewards)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -135,7 +102,7 @@ class Config:
     run_dir: str = "runs/default"
 
     def validate(self) -> list[str]:
-        from grpo_jax.rewards import RewardNameError, RewardSpec, get_reward
+        from grpo_jax.algorithm.rewards import RewardNameError, RewardSpec, get_reward
 
         problems = []
         if not self.model_path and self.tokenizer == "":

@@ -11,7 +11,7 @@ its next start resumes from the last committed checkpoint.
 
 Reading: `audit(run_dir)` follows the surviving chain (the last run, then the run it resumed from up to
 the covered seq, and so on back to run 0; lines past a covered seq were undone by the restore) and
-reports prompts lost or trained twice. `python -m grpo_jax.ledger RUN_DIR` prints the summary and exits
+reports prompts lost or trained twice. `python -m grpo_jax.state.ledger RUN_DIR` prints the summary and exits
 1 when the audit fails.
 
 Several JAX processes: each process keeps its own ledger, RUN_DIR/events.process{P}.jsonl, whose
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from grpo_jax.errors import RunDirError
-from grpo_jax.line_file import LineFile
+from grpo_jax.state.line_file import LineFile
 
 logger = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ def _check_epochs(position: dict[int, tuple[int, int]], report: AuditReport) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m grpo_jax.ledger RUN_DIR", file=sys.stderr)
+        print("usage: python -m grpo_jax.state.ledger RUN_DIR", file=sys.stderr)
         return 2
     report = audit(argv[0])
     print(report.summary())
