@@ -247,7 +247,8 @@ def cmd_compile(args) -> None:
     import os
     # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from grpo_jax.planning.compile import check_fits, compile_run, format_report
+    from grpo_jax.planning.compile import compile_run
+    from grpo_jax.planning.report import check_fits, format_report
     from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
 

@@ -12,9 +12,12 @@ import jax
 import pytest
 from flax import nnx
 
-from grpo_jax.planning.compile import (ABORT_AT_ENV, CompilerCrash, DoesNotFit, abstract_params, actor_params, compile_one,
-                          compile_run, engine_setup, format_report, model_flops_per_step, run_layout, shard_bytes,
-                          tpu_topology)
+from grpo_jax.planning.actor_programs import engine_setup
+from grpo_jax.planning.compile import CompilerCrash, compile_run
+from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
+from grpo_jax.planning.report import DoesNotFit, format_report, model_flops_per_step
+from grpo_jax.planning.topology import tpu_topology
+from grpo_jax.run.plan import RunPlan, shard_bytes
 from grpo_jax.cli import main
 from grpo_jax.run.config import Config
 from grpo_jax.config_io import load_config
@@ -184,7 +187,7 @@ def test_two_hosts_stage_whole_copies_in_groups(two_hosts):
 def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_per_host(spanning):
     config = tiny(*SPANNING, *BF16)
     topology = tpu_topology("v5p:2x2x2")
-    layout = run_layout(config, topology.devices)
+    layout = RunPlan.build(config, topology.devices, process_word="host")
     assert layout.actor_spans_hosts and layout.actor_mesh.size == 4 and layout.actor_devices_per_host == 2
     assert {d.process_index for d in layout.actor_mesh.devices.flat} == {0, 1}
     assert spanning.layout.startswith("actor (one across all 2 hosts, every host's prompts): 4 device(s), 2 per host")
@@ -201,8 +204,8 @@ def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_pe
     # quarter of the bfloat16 model per learner device, where a whole copy per host would be half. Compiled here
     # for all leaves at once (the run stages them in groups, each smaller still).
     narrow = param_bytes(config) / 2
-    _, params = abstract_params(config.model, layout.learner_mesh)
-    _, actor = actor_params(config.model, layout.actor_mesh)
+    _, params = layout.abstract_params()
+    _, actor = layout.actor_params()
     sync = WeightSync(DTYPES[config.model.dtype], groups=1)
     leaves, targets = jax.tree.leaves(params), [x.sharding for x in jax.tree.leaves(actor)]
     # Per learner device, from the stage's shardings: the 2 KV heads do not split over tensor 4, so their leaves
@@ -219,17 +222,17 @@ def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_pe
 def test_an_actor_across_hosts_is_refused_with_the_continuous_engine_or_evaluation():
     devices = tpu_topology("v5p:2x2x2").devices
     with pytest.raises(ConfigError, match="sampler.engine='continuous'.*set sampler.engine=static"):
-        run_layout(tiny(*SPANNING, "sampler.engine=continuous"), devices)
+        RunPlan.build(tiny(*SPANNING, "sampler.engine=continuous"), devices, process_word="host")
     with pytest.raises(ConfigError, match="eval.every_steps=5"):
-        run_layout(tiny(*SPANNING[:-1], "eval.every_steps=5"), devices)
+        RunPlan.build(tiny(*SPANNING[:-1], "eval.every_steps=5"), devices, process_word="host")
 
 
 def test_engine_keeps_the_actor_weights_in_the_compute_dtype():
     """The continuous engine's abstract weights (its programs' arguments) are in bfloat16 when the model computes in
     it over float32 master weights, as the trainer's sync delivers them (no compile: shapes only)."""
     config = tiny_engine(*TWO_HOSTS, *BF16)
-    layout = run_layout(config, tpu_topology("v5p:2x2x2").devices)
-    setup = engine_setup(config, config.model, layout)
+    layout = RunPlan.build(config, tpu_topology("v5p:2x2x2").devices, process_word="host")
+    setup = engine_setup(layout)
     assert {x.dtype.name for x in jax.tree.leaves(setup.state)} == {"bfloat16"}
     # bfloat16, split over the 2 actor devices (the largest shard: the norms are replicated over tensor)
     assert shard_bytes(setup.state) == pytest.approx(param_bytes(config) / 2 / 2, rel=0.01)
@@ -322,7 +325,7 @@ def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
     report = engine_two_hosts
     # The report came back from the compiling child; its topology is described again here, with real devices.
     assert report.topology.processes == 2 and len(report.topology.devices) == 8
-    assert run_layout(tiny_engine(*TWO_HOSTS), report.topology.devices).actor_mesh.size == 2
+    assert RunPlan.build(tiny_engine(*TWO_HOSTS), report.topology.devices, process_word="host").actor_mesh.size == 2
     assert [p.name for p in report.programs] == ["learner step", "engine chunk", "engine admission", "engine resize",
                                                  "weight sync stage"]
     weights = param_bytes(tiny_engine(*TWO_HOSTS))

@@ -392,7 +392,8 @@ def test_continuous_engine_samples_with_the_adapters_it_is_sent(tmp_path):
 def test_compile_lays_out_adapters_on_a_frozen_base():
     """The TPU compile (libtpu, the jax[tpu] test extra) of a LoRA run: the learner takes the frozen base as an
     argument but updates (donates) only the adapters and their moments, and the sync moves the adapters only."""
-    from grpo_jax.planning.compile import abstract_adapters, compile_run, run_layout, shard_bytes
+    from grpo_jax.planning.compile import compile_run
+    from grpo_jax.run.plan import RunPlan, shard_bytes
 
     overrides = ["grpo.prompts_per_step=8", "grpo.group_size=4", "mesh.actor_devices=2", "mesh.actor.tensor=2",
                  "mesh.actor.fsdp=1", "mesh.learner.fsdp=2", "sampler.decode_streams=1", "sampler.engine=static",
@@ -408,8 +409,7 @@ def test_compile_lays_out_adapters_on_a_frozen_base():
     # adapters and their moments, a small fraction (full fine-tuning donates parameters and both moments).
     assert learner.memory.arguments >= weights / 2
     assert 0 < learner.memory.aliased < weights / 4
-    layout = run_layout(config, report.topology.devices)
-    _, actor_adapters = abstract_adapters(report.model, config.lora, layout.actor_mesh)
+    _, actor_adapters = RunPlan.build(config, report.topology.devices, process_word="host").actor_adapters()
     assert [t.bytes_per_device for t in report.transfers] == [shard_bytes(actor_adapters)]
     sampler = report.program("sampler generate")
     assert sampler.memory is not None and "adapters" in sampler.held_what

@@ -356,6 +356,20 @@ class NonFiniteError(UserError, RuntimeError):
     exit_code = 3
 
 
+def jit_train_step(step, params, opt_state):
+    """The learner step (make_train_step) jitted as every run runs it, for the trainer (real `params` and
+    `opt_state`) and grpo-jax compile (abstract ones) alike: the old parameters and moments donated (XLA updates
+    them in place), and returned with the shardings they came in, pinned: left to XLA the first step can return
+    a leaf sharded differently (a replicated vector coming back fsdp-sharded), and the second step would then
+    compile again."""
+    def current(x):
+        sharding = getattr(x, "sharding", None)
+        return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+    out = (jax.tree.map(current, params), jax.tree.map(current, opt_state), None, None)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
+
+
 class Learner:
     """Holds the policy's trainable parameters and optimizer state and applies jitted GRPO learner steps.
 
@@ -397,16 +411,9 @@ class Learner:
 
     @property
     def _step(self):
-        """The jitted step, built on first use. Donating the old parameters and moments lets XLA update them
-        in place; their output shardings are pinned to the current ones, because left to XLA the first
-        step can return a leaf sharded differently from how it came in (a replicated vector coming back
-        fsdp-sharded), and the second step would then compile again."""
+        """The jitted step (jit_train_step), built on first use, when the state has its final placement."""
         if self._jitted_step is None:
-            def current(x):
-                sharding = getattr(x, "sharding", None)
-                return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
-            out = (jax.tree.map(current, self.params), jax.tree.map(current, self.opt_state), None, None)
-            self._jitted_step = jax.jit(self._step_fn, donate_argnums=(0, 1), out_shardings=out)
+            self._jitted_step = jit_train_step(self._step_fn, self.params, self.opt_state)
         return self._jitted_step
 
     def check_batch(self, batch: TrainBatch) -> None:

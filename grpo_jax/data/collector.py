@@ -16,8 +16,8 @@ Implements ../shared/reference/frontier-restore.md (binding). In short:
   still in the restored buffer; everything else is answered again.
 
 Pure Python (no JAX) so that it can be tested on its own. All public methods are thread-safe: the actor
-thread calls handout/mark_finished/mark_dropped while the learner calls mark_trained/requeue/
-checkpoint_state. Each method holds the one lock for its whole duration, so a checkpoint never sees a
+thread calls handout/mark_finished/mark_dropped/requeue/take_requeued while the learner calls
+mark_trained/requeue/checkpoint_state and mark_dropped (nonfinite_update, run_ended). Each method holds the one lock for its whole duration, so a checkpoint never sees a
 half-made handout or a half-accounted step.
 
 The ledger (grpo_jax.state.ledger.Ledger), when given, is written under the same lock as the accounting it

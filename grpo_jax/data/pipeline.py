@@ -13,7 +13,7 @@ shard k sees global elements k, k + S, k + 2S, ... and every record keeps its gl
 With a finite num_epochs the shards can differ in length by one element.
 
 Every element yields exactly one record; nothing is filtered inside the pipeline (the collector stamps an
-ordinal on each element and the trainer logs malformed ones as `drop` events with reason `bad_row`):
+ordinal on each element and the actor records malformed ones as `drop` events with reason `bad_row`):
 
     {"dataset_index", "epoch", "row", "prompt_text", "prompt_ids"}                  a usable prompt
     {"dataset_index", "epoch", "bad_row": <reason in BAD_ROW_REASONS>, "detail"}   a malformed row
@@ -403,7 +403,7 @@ class SyntheticSource:
 
 
 def json_value(value: Any, where: str = "row") -> Any:
-    """`value` as plain JSON values, faithfully where JSON allows (the README's Data section lists the forms):
+    """`value` as plain JSON values, faithfully where JSON allows (docs/data-and-rewards.md lists the forms):
     datetime, date, time -> ISO 8601 strings; timedelta -> seconds; Decimal, UUID -> their exact strings;
     bytes -> the text if they are UTF-8, else base64; NaN and infinities -> "NaN", "Infinity", "-Infinity"
     (float() reads all of these back); numpy scalars and arrays -> Python numbers and lists; tuples ->

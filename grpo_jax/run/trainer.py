@@ -45,22 +45,22 @@ from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_b
 from grpo_jax.cleanup import run_all
 from grpo_jax.data.collector import Collector, Prompt
 from grpo_jax.run.config import Config
+from grpo_jax.run.plan import RunPlan
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
 from grpo_jax.data.pipeline import FINGERPRINT_PREFIX, DataError, make_data_iterator
-from grpo_jax.parallel.distributed import HostAgreement, by_process
+from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
 from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
 from grpo_jax.algorithm.learner import Learner, mini_batch_of_row, pack_batch
 from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
 from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
 from grpo_jax.run.metrics import MetricsWriter
-from grpo_jax.model.transformer import DTYPES, Transformer, create_model
+from grpo_jax.model.transformer import Transformer, create_model
 from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.state.run_lock import RunDirLock
 from grpo_jax.rollout.engine import make_generator
-from grpo_jax.parallel.sharding import (DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, shard_module,
-                               state_shardings)
+from grpo_jax.parallel.sharding import (shard_module)
 from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.rollout.weight_sync import WeightSync
 
@@ -97,23 +97,14 @@ def load_policy(config: Config, tokenizer: Tokenizer) -> Transformer:
     return create_model(config.model, seed=config.seed)
 
 
-def split_devices(config: Config) -> DeviceCut:
-    """The actor's and the learner's devices (sharding.cut_devices): disjoint slices, or the same devices
-    when mesh.actor_devices is 0.
-
-    Several processes (hosts): every host is cut the same way. The actor gets the first actor_devices of
-    each host's own devices: one sampler per host, no cross-host traffic, when mesh.actor fits them; one
-    actor mesh across all hosts' actor devices when it only fits those together (a model whose sampler does
-    not fit one host). The learner gets the rest of every host's devices, as one mesh spanning all hosts."""
-    try:
-        cut = cut_devices(by_process(jax.devices()), config.mesh.actor_devices, config.mesh.actor,
-                          this_host=jax.process_index())
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if cut.actor_spans_hosts and config.actor_across_hosts_problems():
-        raise ConfigError("; ".join(config.actor_across_hosts_problems()))
-    per_host = len(cut.actor) // jax.process_count(), len(cut.learner) // jax.process_count()
-    if cut.actor_spans_hosts and jax.default_backend() == "cpu" and min(per_host) > 1:
+def plan_run(config: Config) -> RunPlan:
+    """This process's run description (run.plan.RunPlan): every host is cut the same way. The actor gets the
+    first mesh.actor_devices of each host's own devices (all of them when 0, shared with the learner): one
+    sampler per host when mesh.actor fits them, one actor mesh across all hosts' actor devices when it only fits
+    those together. The learner gets the rest of every host's devices, as one mesh spanning all hosts."""
+    plan = RunPlan.build(config, jax.devices(), this_host=jax.process_index())
+    per_host = len(plan.cut.actor) // plan.processes, len(plan.cut.learner) // plan.processes
+    if plan.actor_spans_hosts and jax.default_backend() == "cpu" and min(per_host) > 1:
         # Seen with 2 processes (2 actor + 2 learner devices each, or 2 + 3): both programs stop at their first
         # collective and never return. One side with one device per process runs (tests/test_multiprocess.py).
         raise ConfigError(
@@ -122,7 +113,7 @@ def split_devices(config: Config) -> DeviceCut:
             "XLA's CPU client deadlocks when the actor's and the learner's programs, each over several devices "
             "of every process, run at once (a limit of the CPU client). Use mesh.actor_devices=1, or one learner "
             "device per process")
-    return cut
+    return plan
 
 
 def weights_copy(state, shardings, sync: WeightSync, may_alias=False):
@@ -312,26 +303,13 @@ class Trainer:
             for warning in config.warnings():
                 logger.warning("config: %s", warning)
         self.tokenizer = load_tokenizer(config.tokenizer, config.model_path)
-        if config.grpo.prompts_per_step % self.processes:
-            raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
-                              f"{self.processes} JAX processes (each trains its share of every step)")
-        self.local_prompts = config.grpo.prompts_per_step // self.processes  # this process's groups per step
-        cut = split_devices(config)
-        learner_devices = cut.learner
-        self.actor_spans_hosts = cut.actor_spans_hosts
-        try:
-            self.learner_mesh = make_mesh(config.mesh.learner, learner_devices)
-            self.actor_mesh = make_mesh(config.mesh.actor, cut.actor, tensor_across_hosts=cut.actor_spans_hosts)
-        except ValueError as e:
-            where = " across hosts" if cut.actor_spans_hosts else " on this host" if self.processes > 1 else ""
-            raise ConfigError(f"mesh: {e} (actor: {len(cut.actor)} device(s){where}, "
-                              f"learner: {len(learner_devices)})") from e
-        problem = batch_split_problem(self.learner_mesh, self.processes, self.local_prompts * config.grpo.group_size)
-        if problem:
-            raise ConfigError(problem)
-        if cut.actor_spans_hosts:
+        self.plan = plan = plan_run(config)
+        self.local_prompts = plan.local_prompts  # this process's groups per step
+        self.learner_mesh, self.actor_mesh = plan.learner_mesh, plan.actor_mesh
+        self.actor_spans_hosts = plan.actor_spans_hosts
+        if plan.actor_spans_hosts:
             logger.info("actor: one mesh across %d hosts, %s over %d devices; every host's prompts sampled as one "
-                        "batch", self.processes, dict(self.actor_mesh.shape), len(cut.actor))
+                        "batch", self.processes, dict(self.actor_mesh.shape), len(plan.cut.actor))
 
         policy = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
         reference, adapters = None, None
@@ -341,17 +319,16 @@ class Trainer:
             self.base_identity = base_identity(config.model_path, policy.config, config.seed)
         elif config.loss.needs_reference:
             reference = shard_module(load_policy(config, self.tokenizer), self.learner_mesh)
-        self.learner = Learner(policy, config.optim, config.loss, reference_model=reference,
-                               temperature=config.sampler.temperature, adapters=adapters, dropout_seed=config.seed,
-                               top_k=config.sampler.top_k, top_p=config.sampler.top_p)
-        self.replicated = jax.sharding.NamedSharding(self.learner_mesh, jax.sharding.PartitionSpec())
+        self.learner = Learner(policy, config.optim, config.loss, reference_model=reference, adapters=adapters,
+                               dropout_seed=config.seed, **plan.learner_options())
+        self.replicated = plan.replicated
         self.learner.opt_state = jax.tree.map(self._committed, self.learner.opt_state)
-        self.agreement = HostAgreement(learner_devices, timeout_s=config.trainer.collective_timeout())
+        self.agreement = HostAgreement(plan.cut.learner, timeout_s=config.trainer.collective_timeout())
         self._replicate = None  # the final model's export gathers one weight at a time (a sync never does)
         if self.processes > 1:
             self._replicate = jax.jit(lambda tree: tree, out_shardings=self.replicated)
         # The actor gets (and keeps) the weights in the compute dtype when it is narrower than param_dtype.
-        self.weight_sync = WeightSync(DTYPES[config.model.dtype])
+        self.weight_sync = plan.weight_sync()
         self.base_key = jax.random.key(config.seed)
         self.version = 0
 
@@ -366,9 +343,8 @@ class Trainer:
             eval_records = held_out_records(config, self.tokenizer)
         grpo = config.grpo
         # One fixed learner shape for the run (no recompiles): the data marks prompts over either limit bad_row.
-        self.prompt_bucket = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
-        self.completion_bucket = config.sampler.max_new_tokens
-        self.buffer_capacity = config.trainer.buffer_capacity or self.local_prompts * (grpo.max_staleness + 2)
+        self.prompt_bucket, self.completion_bucket = plan.prompt_bucket, plan.completion_bucket
+        self.buffer_capacity = plan.buffer_capacity
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
         self.resumed_from: int | None = None
         restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable,
@@ -393,25 +369,25 @@ class Trainer:
         else:
             self._resume(restored)
 
-        self.actor_shardings = state_shardings(self.learner.params, self.actor_mesh)
+        self.actor_shardings = self.plan.actor_shardings(self.learner.params)
         actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings,
                                                                     self.weight_sync))
         actor_adapters = None
         if self.learner.frozen is not None:  # LoRA: the actor's own copy of the base, once; syncs bring adapters
             frozen = self.learner.frozen
             actor_adapters, actor_model = actor_model, nnx.merge(self.learner.base_graphdef, weights_copy(
-                frozen, state_shardings(frozen, self.actor_mesh), self.weight_sync, may_alias=True))
+                frozen, self.plan.actor_shardings(frozen), self.weight_sync, may_alias=True))
         # sampler.engine: the continuous Engine (slots default: one step's samples) or the static Sampler.
         self.sampler = make_generator(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
                                       config=config.sampler, adapters=actor_adapters,
-                                      slots=self.local_prompts * grpo.group_size, version=self.version)
+                                      slots=self.plan.engine_slots, version=self.version)
         self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         limits = ActorLimits(max_steps=config.trainer.max_steps, group_timeout_s=config.trainer.group_timeout_s,
                              reward_error_handouts=config.trainer.reward_error_handouts)
         self.actor = Actor(config.grpo, limits, self.sampler, self.tokenizer, self.collector, self.buffer,
                            self.rewards, self.base_key, version=self.version,
-                           lockstep=HostAgreement(cut.actor, timeout_s=config.trainer.collective_timeout())
-                           if cut.actor_spans_hosts else None)
+                           lockstep=HostAgreement(plan.cut.actor, timeout_s=config.trainer.collective_timeout())
+                           if plan.actor_spans_hosts else None)
         if eval_records is not None:
             # Its own reward suite, so eval timeouts stay out of the training reward metrics.
             evaluator = Evaluator(config, self.tokenizer, eval_records,
@@ -959,11 +935,7 @@ class Trainer:
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
                            self.prompt_bucket, self.completion_bucket, valid=row_validity(groups, g, len(prompts)))
-        # Committed to the learner's batch sharding, also on one process: an uncommitted batch leaves the
-        # layout to the compiler, which may keep whole-batch tensors on every learner device. On several
-        # processes these are this process's rows of the global batch.
-        sharding = batch_sharding(self.learner_mesh)
-        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+        batch = self.device_batch(batch)
         learn_start = time.perf_counter()
         metrics, applied = self.learner.step(batch)
         learn_seconds = time.perf_counter() - learn_start
@@ -1001,6 +973,12 @@ class Trainer:
         metrics.update(self.rewards.metrics())  # reward/timed_out_samples, reward/stuck_threads
         metrics.update(self.actor.metrics(groups))  # version spread in groups, engine occupancy, tokens/s per device
         return metrics
+
+    def device_batch(self, batch):
+        """A packed batch (this process's rows, NumPy) as the learner step takes it: committed to the plan's
+        batch sharding; on several processes, this process's rows of the global batch."""
+        sharding = self.plan.batch_sharding
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
     def _groups_trained(self, num_groups: int, applied: np.ndarray) -> list[bool]:
         """Per group of this process: whether at least one update over its rows was applied. Row r of

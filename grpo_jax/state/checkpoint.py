@@ -8,6 +8,10 @@ One Orbax CheckpointManager per run directory, steps under RUN_DIR/checkpoints/<
                ledger line covered) and the replay buffer's structure, which points into `buffer`
     meta       JSON: format, step, the data fingerprint and the facts a resume must match
 
+With several processes Orbax writes JSON from the primary process only, so `collector` holds
+{"per_process": true}, `buffer` is empty, and each process's collector and buffer state is its sealed row
+of the array state["processes"] (run.trainer.pack_process_state).
+
 Everything is arrays or JSON, so loading a checkpoint never runs code. Orbax writes a step into a
 temporary directory and renames it when complete: a save killed half-way never becomes a step (the
 leftover is cleaned up when the manager opens). Saves are asynchronous: save() returns once the arrays

@@ -22,7 +22,8 @@ i.e. "stop admitting prompts that could not be trained within the bound". With a
 that allows at most (max_staleness + 1) * P groups waiting or in flight. A refusal clears once the
 actor loads newer weights (the learner has moved on), so the actor loop is:
 
-    while not buffer.reserve(1, actor_version): actor_version = <wait for weights newer than actor_version>
+    n = buffer.admissible(actor_version)   # 0: wait for weights newer than actor_version
+    buffer.reserve(n, actor_version)       # within what admissible() allowed, so it always succeeds
     ... generate with actor_version ...; then buffer.put(group) or, if the prompt is dropped, buffer.release(1)
 
 max_staleness = 0 is strictly on-policy synchronous GRPO through the same code: at learner version k the

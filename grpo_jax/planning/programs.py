@@ -1,0 +1,335 @@
+"""The programs of a run compiled for a topology: one function per program, each returning a Program (per-device
+memory, cost per call, calls per step, the settings that would shrink it).
+
+Every program and its arguments come from the run description (run.plan.RunPlan), the one the trainer runs
+from: the learner step (RunPlan.learner_step) and the weight sync (RunPlan.weight_sync) here; the sampler's
+and the engine's in actor_programs.py, built by their own classes over the plan's actor weights. What is
+specific to compiling for a topology lives here: compile_one (lower, compile, read memory and cost; an
+out-of-memory refusal becomes an answer), the roofline, the costing of loop bodies on their own (XLA counts a
+loop body once whatever its trip count), and the hints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from grpo_jax.algorithm.learner import token_logprobs
+from grpo_jax.model.transformer import DTYPES
+from grpo_jax.planning.topology import Topology
+from grpo_jax.planning.units import size_text
+from grpo_jax.rollout.weight_sync import narrowed
+from grpo_jax.run.plan import RunPlan, shard_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one compiled program (XLA's memory_analysis)."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written into donated arguments (counted once)
+    temporaries: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Per-device FLOPs and HBM bytes of one call, and its roofline time on the topology's devices."""
+
+    flops: float
+    bytes: float
+    seconds: float
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds)
+
+    def __mul__(self, times: float) -> "Cost":
+        return Cost(self.flops * times, self.bytes * times, self.seconds * times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    devices: int  # devices it runs on (the sampler: its actor mesh, one host's or one across hosts)
+    memory: Memory | None  # None when the compiler refused it
+    held: int  # per-device bytes alive on the same devices outside the program (see held_what)
+    held_what: str
+    cost: Cost | None  # per call, loops counted; None when refused
+    calls_per_step: int
+    compile_seconds: float  # this program and the loop-body programs that cost it
+    refusal: str = ""  # the compiler's own words when it refused (RESOURCE_EXHAUSTED)
+    hints: tuple[str, ...] = ()  # settings that make it smaller
+    cost_note: str = ""  # why cost is None although the program compiled
+    actor: bool = False  # the actor's (sampling) time per step is the sum of cost x calls over these
+    notes: tuple[str, ...] = ()  # printed under the table
+
+    @property
+    def total(self) -> int | None:
+        return None if self.memory is None else self.memory.total + self.held
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Bytes moved between device sets outside any compiled program (jax.device_put)."""
+
+    name: str
+    bytes_per_device: int  # into each receiving device
+    seconds: float
+    how: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    memory: Memory | None
+    cost: Cost | None
+    refusal: str
+    seconds: float
+
+
+# Set in the compiling child process (see compile_run): each compile_one first appends its label here, so
+# that the parent can name the program being compiled when libtpu kills the child.
+PROGRESS: pathlib.Path | None = None
+# Testing hook, honoured only in the child: compile_one os.abort()s at the program with this label, as libtpu
+# does on a failed internal check.
+ABORT_AT_ENV = "GRPO_JAX_COMPILE_ABORT_AT"
+
+
+def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None, label: str = "") -> Compiled:
+    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`. `label` names the
+    program (or the loop body compiled alone for its cost) in a crash report."""
+    if PROGRESS is not None:
+        with open(PROGRESS, "a") as f:
+            f.write(label.replace("\n", " ") + "\n")
+        if label and os.environ.get(ABORT_AT_ENV) == label:
+            os.abort()
+    start = time.perf_counter()
+    try:
+        compiled = jitted.lower(*args, **(static or {})).compile()
+    except Exception as e:  # noqa: BLE001 - XlaRuntimeError; only the out-of-memory refusal is an answer
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Compiled(None, None, _refusal_line(str(e)), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    memory = Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
+                    stats.temp_size_in_bytes, stats.generated_code_size_in_bytes)
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    return Compiled(memory, roofline(flops, nbytes, topology), "", seconds)
+
+
+def roofline(flops: float, nbytes: float, topology: Topology) -> Cost:
+    return Cost(flops, nbytes, max(flops / topology.peak_flops, nbytes / topology.hbm_bandwidth))
+
+
+def _refusal_line(message: str) -> str:
+    """The compiler's out-of-memory sentence, on one line, without its status code and final period."""
+    text = " ".join(message.split())
+    text = text[text.find("RESOURCE_EXHAUSTED"):].removeprefix("RESOURCE_EXHAUSTED:").strip()
+    end = text.find(". ", text.find("exceeds"))
+    return text[:end if end > 0 else 300].rstrip(".")
+
+
+def refusal_excess(refusal: str) -> str:
+    """'X over' from the compiler's '(NG) exceeds available HBM (MG)', or '' when it says otherwise."""
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    found = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", refusal)
+    if not found:
+        return ""
+    need = float(found.group(1)) * units[found.group(2)]
+    have = float(found.group(3)) * units[found.group(4)]
+    return f"{size_text(need - have)} over"
+
+
+def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
+                    actor_what: str = "the actor's copy of the weights") -> tuple[Program, dict]:
+    """The learner step (RunPlan.learner_step: the program and arguments the trainer runs), compiled.
+
+    Cost: XLA counts each loop body once, so the step's count is one forward micro-batch per forward pass
+    (proximal, reference) + one gradient micro-batch + one optimizer update. The forward micro-batch and
+    the update are compiled on their own; the gradient micro-batch is the rest of the step's count."""
+    config, learner = plan.config, plan.learner_step
+    mesh, optim = plan.learner_mesh, config.optim
+    params, opt_state, reference, frozen = learner.params, learner.opt_state, learner.reference, learner.frozen
+    whole = compile_one(learner.jitted, learner.args, topology, label="learner step")
+
+    held, held_what = 0, ""
+    if plan.shared:
+        held, held_what = actor_held, actor_what
+    state_bytes = {"params": shard_bytes(params), "opt_state": shard_bytes(opt_state),
+                   "reference": shard_bytes(reference) if reference is not None else 0,
+                   "frozen": shard_bytes(frozen) if frozen is not None else 0}
+    hints = learner_hints(plan, sum(state_bytes.values()) + held, topology)
+    if whole.memory is None:
+        return Program("learner step", mesh.size, None, held, held_what, None, 1, whole.seconds, whole.refusal,
+                       hints), state_bytes
+
+    rows, micro = plan.rows, optim.micro_batch_size
+    forward_rows = micro or rows
+    forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
+    seconds = whole.seconds
+    forward = Cost(0.0, 0.0, 0.0)
+    if forward_passes:
+        micro_batch = plan.abstract_batch(forward_rows, _rows_sharding(forward_rows, plan))
+        options = plan.learner_options()
+
+        def forward_logprobs(p, f, b):
+            model, adapters = (nnx.merge(learner.graphdef, p), None) if f is None else \
+                (nnx.merge(learner.base_graphdef, f), nnx.merge(learner.graphdef, p))
+            return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len, adapters=adapters,
+                                  **{**options, "temperature": options["temperature"] or 1.0})[0]
+
+        compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
+                               label="learner step (a forward micro-batch alone, for its cost)")
+        seconds += compiled.seconds
+        if compiled.cost is None:
+            return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                            cost_note=f"a forward micro-batch alone was refused: {compiled.refusal}"), state_bytes)
+        forward = compiled.cost
+
+    def update(grads, opt_state, params):
+        updates, opt_state = learner.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
+    compiled = compile_one(jax.jit(update, donate_argnums=(1, 2)), (grads, opt_state, params), topology,
+                           label="learner step (the optimizer update alone, for its cost)")
+    seconds += compiled.seconds
+    if compiled.cost is None:
+        return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                        cost_note=f"the optimizer update alone was refused: {compiled.refusal}"), state_bytes)
+    optimizer_cost = compiled.cost
+    gradient = roofline(max(whole.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
+                        max(whole.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
+    mini_rows = rows // optim.mini_batches
+    gradient_micros = optim.updates_per_step * (mini_rows // micro if micro else 1)
+    cost = (forward * (forward_passes * (rows // forward_rows)) + gradient * gradient_micros
+            + optimizer_cost * optim.updates_per_step)
+    return Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints), state_bytes
+
+
+def _rows_sharding(rows: int, plan: RunPlan) -> NamedSharding:
+    """A forward micro-batch's rows split as the batch when they divide over data x fsdp, else whole."""
+    mesh = plan.learner_mesh
+    return plan.batch_sharding if rows % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else plan.replicated
+
+
+def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, ...]:
+    """Settings that shrink the learner step, the ones that can help first: activations do not matter while
+    the parameters and moments (`state`, per device) alone exceed the device."""
+    config, model_config = plan.config, plan.model
+    optim, mesh = config.optim, plan.learner_mesh
+    more = "a larger slice" if plan.shared else f"mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice"
+    spread = f"a larger mesh.learner.fsdp (now {mesh.shape['fsdp']}) over more learner devices ({more})"
+    if plan.shared:  # the actor's copy of the weights shares these devices
+        spread += "; or mesh.actor_devices > 0, the actor's copy of the weights on devices of its own"
+    reference = ["loss.kl_coef=0 (no reference copy)"] if config.loss.needs_reference and not config.lora.enabled else []
+    if state > topology.hbm_bytes:
+        lora = [] if config.lora.enabled else ["lora.rank=16 (adapters on a frozen base: no moments for its weights)"]
+        return (f"{spread}: parameters and optimizer state alone take {size_text(state)}iB per device", *reference, *lora)
+    hints = [] if model_config.remat else ["model.remat=true"]
+    mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
+    micro = optim.micro_batch_size or mini_rows
+    if micro > 1:
+        smaller = next(m for m in range(micro // 2, 0, -1) if mini_rows % m == 0)
+        new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
+        hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits, "
+                     f"[{micro}, {new}, {vocab}], are {size_text(4 * micro * new * vocab)}iB before any split)")
+    return (*hints, spread, *reference)
+
+
+def sync_parts(plan: RunPlan, topology: Topology, learner_state: dict, actor_weights: int,
+               actor_what: str = "the actor's copy of the weights") -> tuple[list[Program], list[Transfer]]:
+    """The learner's new weights onto the actor's layout after every step (trainer.weights_copy with the
+    plan's WeightSync); with LoRA the adapters only (the actor holds its own copy of the frozen base, sent once
+    at the start).
+
+    One host: each actor shard put together from the learner's shards (device-to-device copies, cast to the
+    compute dtype on the way), a transfer. Several hosts: first `weight sync stage`, the jitted programs on the
+    learner mesh (WeightSync.stage_program, one per group of leaves, WeightSync.group_slices, run one after the
+    other) that reshard the parameters so that every host holds, spread over its own learner devices and in the
+    dtype the actor keeps, what its actor devices need: a whole copy for an actor per host, its own block of
+    every leaf for an actor spanning the hosts; the report shows the group that needs the most memory, and the
+    time of all of them. Then each host's copy from those shards onto its actor devices, a transfer."""
+    model_config, lora = plan.model, plan.config.lora
+    compute = plan.actor_dtype
+    params = plan.learner_step.params  # the trained parameters (the adapters with LoRA), as the learner holds them
+    _, actor = plan.actor_adapters() if lora.enabled else plan.actor_params()
+    actor_in = shard_bytes(actor)
+    n_learner = plan.learner_mesh.size
+    local_learner = n_learner // plan.processes  # each host's learner devices
+    # Every actor device receives its shard; a host's learner devices send them between them.
+    seconds = max(actor_in, actor_in * plan.actor_devices_per_host / local_learner) / topology.ici_bandwidth
+    if plan.processes == 1:
+        return [], [Transfer("weight sync copy", actor_in, seconds,
+                             f"each actor shard put together from the learner's shards (in {_dtypes(actor)}), "
+                             "device-to-device at the ICI figure")]
+    leaves = jax.tree.leaves(params)
+    targets = [x.sharding for x in jax.tree.leaves(actor)]  # the actor's plan, leaf for leaf
+    sync = plan.weight_sync()
+    copy = Transfer("weight sync copy", actor_in, seconds,
+                    f"on each host, each actor shard put together from the host's staged shards (in "
+                    f"{_dtypes(actor)}), device-to-device at the ICI figure")
+    groups = [(leaves[g], targets[g]) for g in sync.group_slices(leaves)]
+    programs = [(sync.stage_program(part, part_targets), part) for part, part_targets in groups]
+    programs = [(program, part) for program, part in programs if program is not None]
+    if not programs:  # already staged as the actor needs it, in its dtype: nothing to stage
+        return [], [copy]
+    compiled = [compile_one(program, (part,), topology, label=f"weight sync stage (group {k + 1} of {len(programs)})")
+                for k, (program, part) in enumerate(programs)]
+    refused = [c for c in compiled if c.memory is None]
+    worst = refused[0] if refused else max(compiled, key=lambda c: c.memory.total)
+    held = learner_state["opt_state"] + learner_state["reference"] + learner_state["frozen"]
+    held_what = "optimizer state" + (" and reference" if learner_state["reference"] else "") + \
+        (" and the frozen base" if learner_state["frozen"] else "")
+    if plan.shared:
+        held += actor_weights
+        held_what += ", " + actor_what
+    cost = None
+    if not refused and all(c.cost is not None for c in compiled):
+        # Each learner device receives (about) its whole output shard over ICI, most of it from other hosts.
+        cost = Cost(sum(c.cost.flops for c in compiled), sum(c.cost.bytes for c in compiled),
+                    sum(max(c.cost.seconds, c.memory.outputs / topology.ici_bandwidth) for c in compiled))
+    staged = sum(math.prod(x.shape) * narrowed(x.dtype, compute).itemsize for x in leaves)
+    what = "adapters" if lora.enabled else "parameters"
+    if plan.actor_spans_hosts:
+        hints = [f"more learner devices (now {n_learner}, {local_learner} per host): each host's block of the {what} "
+                 f"(about {size_text(staged / plan.processes)}iB of {size_text(staged)}iB in {_dtypes(actor)} when the "
+                 "actor splits every leaf over the hosts) is spread over its own learner devices"]
+    else:
+        fewer = "" if plan.shared else f" (mesh.actor_devices={plan.actor_devices_per_host} lower)"
+        hints = [f"more learner devices per host (now {local_learner}{fewer}): each host's whole copy of the "
+                 f"{what} ({size_text(staged)}iB, in {_dtypes(actor)}) is spread over its own learner devices"]
+    if narrowed(DTYPES[model_config.param_dtype], compute) == np.dtype(DTYPES[model_config.param_dtype]):
+        hints.append(f"a model.dtype narrower than model.param_dtype (now {model_config.dtype} and "
+                     f"{model_config.param_dtype}): the staged copy is then in the compute dtype")
+    notes = ()
+    if len(compiled) > 1:
+        notes = (f"{len(compiled)} programs, one per group of leaves, run one after the other: memory of the "
+                 f"largest, time of all",)
+    stage = Program("weight sync stage", n_learner, worst.memory, held, held_what, cost, 1,
+                    sum(c.seconds for c in compiled), worst.refusal, tuple(hints), notes=notes)
+    return [stage], [copy]
+
+
+def _dtypes(tree) -> str:
+    """The float dtypes of an abstract tree's leaves, e.g. 'bfloat16'."""
+    names = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)})
+    return "/".join(names) or "its own dtypes"

@@ -1,0 +1,309 @@
+"""The run description: from a config and a device set, how a run lays out every program it executes.
+
+One place decides, for the trainer (real arrays, this process's devices) and for `grpo-jax compile`
+(abstract arrays, a TPU topology's devices), so that the two cannot disagree:
+
+- the device cut and the meshes: the actor's (one per host, or one across hosts) and the learner's (one
+  across hosts), refused in one line (ConfigError) when the config cannot be laid out on the devices;
+- a step's shapes: each host's prompts, the learner's rows, its fixed prompt and completion buckets (one
+  learner program for the whole run), the engine's slots, the replay buffer's capacity;
+- the layouts: parameters and optimizer state on the learner mesh, the batch split over data x fsdp, the
+  actor's copy of the weights on the actor mesh in the dtype it keeps (weight_sync.narrowed);
+- the programs with their arguments: the learner step (as algorithm.learner jits it, with the arguments the
+  trainer passes), the weight sync (its WeightSync), and the actor's generator (engine or sampler: its own
+  class builds its programs, over the plan's actor weights and slots).
+
+`tests/test_plan.py` builds a trainer for several configs and checks that the arguments of its programs
+carry exactly the shardings and shapes this description gives the compile command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.algorithm.learner import TrainBatch, jit_train_step, make_optimizer, make_train_step
+from grpo_jax.errors import ConfigError
+from grpo_jax.model.lora import LoraConfig, init_adapters
+from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
+from grpo_jax.parallel.distributed import by_process
+from grpo_jax.parallel.sharding import DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, \
+    state_shardings
+from grpo_jax.rollout.weight_sync import WeightSync, narrowed
+from grpo_jax.run.config import Config
+
+
+def run_model_config(config: Config) -> ModelConfig:
+    """The policy's ModelConfig as the trainer builds it: the checkpoint's config.json for the architecture
+    (no weights are read), the config's model section for how to run it (hf.RUN_SETTINGS)."""
+    if not config.model_path:
+        return config.model
+    from grpo_jax.model.hf import RUN_SETTINGS, checkpoint_config
+    return dataclasses.replace(checkpoint_config(config.model_path),
+                               **{key: getattr(config.model, key) for key in RUN_SETTINGS})
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerStep:
+    """The learner step as the trainer runs it: the jitted program, the (abstract) arguments it takes, and
+    what it was made of (to compile parts of it on their own, for their cost)."""
+
+    jitted: object
+    args: tuple  # parameters, optimizer state, batch, reference, frozen base, dropout key, learner-step index
+    graphdef: object  # of the trained parameters (the adapters with LoRA)
+    base_graphdef: object  # of the frozen base with LoRA, else None
+    optimizer: optax.GradientTransformation
+
+    @property
+    def params(self):
+        return self.args[0]
+
+    @property
+    def opt_state(self):
+        return self.args[1]
+
+    @property
+    def reference(self):
+        return self.args[3]
+
+    @property
+    def frozen(self):
+        return self.args[4]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    config: Config
+    model: ModelConfig  # the policy's architecture (run_model_config)
+    processes: int  # hosts (JAX processes)
+    cut: DeviceCut  # which devices sample (the actor) and which update (the learner)
+    learner_mesh: Mesh  # one mesh across every host's learner devices
+    actor_mesh: Mesh  # this host's actor devices, or every host's when the actor spans the hosts
+
+    @classmethod
+    def build(cls, config: Config, devices, this_host: int = 0, process_word: str = "process") -> "RunPlan":
+        """The plan for `devices` (jax.Device objects of every process: this process's jax.devices(), or a
+        topology's). `this_host`: whose actor devices make the actor mesh (an actor per host); every host is
+        cut the same way. ConfigError, one line, for a config these devices cannot run."""
+        hosts = by_process(list(devices))
+        processes = len(hosts)
+        if config.grpo.prompts_per_step % processes:
+            raise ConfigError(f"grpo.prompts_per_step={config.grpo.prompts_per_step}: must divide evenly over the "
+                              f"{processes} {process_word}es (each trains its share of every step)")
+        try:
+            cut = cut_devices(hosts, config.mesh.actor_devices, config.mesh.actor, this_host=this_host)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if cut.actor_spans_hosts and config.actor_across_hosts_problems():
+            raise ConfigError("; ".join(config.actor_across_hosts_problems()))
+        try:
+            learner_mesh = make_mesh(config.mesh.learner, cut.learner)
+            actor_mesh = make_mesh(config.mesh.actor, cut.actor, tensor_across_hosts=cut.actor_spans_hosts)
+        except ValueError as e:
+            where = " across hosts" if cut.actor_spans_hosts else f" per {process_word}" if processes > 1 else ""
+            raise ConfigError(f"mesh: {e} (actor: {len(cut.actor)} device(s){where}, "
+                              f"learner: {len(cut.learner)})") from e
+        # Each process feeds its own rows of the batch, split over data x fsdp in process order.
+        local_rows = config.grpo.prompts_per_step // processes * config.grpo.group_size
+        problem = batch_split_problem(learner_mesh, processes, local_rows, process=process_word)
+        if problem:
+            raise ConfigError(problem)
+        return cls(config, run_model_config(config), processes, cut, learner_mesh, actor_mesh)
+
+    # -- a step's shapes --------------------------------------------------------------------------------
+
+    @property
+    def actor_spans_hosts(self) -> bool:
+        return self.cut.actor_spans_hosts
+
+    @property
+    def shared(self) -> bool:
+        """mesh.actor_devices=0: the actor samples on the learner's devices (they take turns)."""
+        return self.cut.shared
+
+    @property
+    def local_prompts(self) -> int:
+        """Each process's groups per step (its handout size)."""
+        return self.config.grpo.prompts_per_step // self.processes
+
+    @property
+    def rows(self) -> int:
+        """The learner's rows per step, all processes: prompts_per_step x group_size."""
+        return self.config.grpo.prompts_per_step * self.config.grpo.group_size
+
+    @property
+    def actors(self) -> int:
+        """How many actors sample a step's prompts between them: one per host, or the one spanning them all."""
+        return 1 if self.actor_spans_hosts else self.processes
+
+    @property
+    def actor_rows(self) -> int:
+        """The samples one actor generates per step: its hosts' prompts x group_size."""
+        return self.rows // self.actors
+
+    @property
+    def actor_devices_per_host(self) -> int:
+        return self.actor_mesh.size // (self.processes if self.actor_spans_hosts else 1)
+
+    @property
+    def engine_slots(self) -> int:
+        """The continuous engine's slots: sampler.slots, or one step's samples of this process."""
+        return self.config.sampler.slots or self.local_prompts * self.config.grpo.group_size
+
+    @property
+    def prompt_bucket(self) -> int:
+        """The learner's fixed prompt width (no recompiles): the data marks longer prompts as bad rows."""
+        return min(self.config.data.max_prompt_len, self.config.sampler.max_prompt_len)
+
+    @property
+    def completion_bucket(self) -> int:
+        return self.config.sampler.max_new_tokens
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Groups each process's replay buffer holds (the admission rule never needs more)."""
+        grpo = self.config.grpo
+        return self.config.trainer.buffer_capacity or self.local_prompts * (grpo.max_staleness + 2)
+
+    # -- layouts ----------------------------------------------------------------------------------------
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """Whole on every learner device: optimizer step counts, keys, scalars."""
+        return NamedSharding(self.learner_mesh, PartitionSpec())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The learner batch's rows over data x fsdp (committed on one process too: an uncommitted batch leaves
+        the layout to the compiler, which may keep whole-batch tensors on every learner device)."""
+        return batch_sharding(self.learner_mesh)
+
+    def learner_shardings(self, state):
+        """Where the learner keeps parameters (or adapters) of this structure."""
+        return state_shardings(state, self.learner_mesh)
+
+    def actor_shardings(self, state):
+        """Where the actor keeps its copy of them."""
+        return state_shardings(state, self.actor_mesh)
+
+    @property
+    def actor_dtype(self):
+        """The compute dtype: the actor keeps (and is sent) float weights in it when it is narrower."""
+        return DTYPES[self.model.dtype]
+
+    def weight_sync(self) -> WeightSync:
+        """The learner-to-actor resharding (grouped stages on several hosts, the cast on the way)."""
+        return WeightSync(self.actor_dtype)
+
+    def learner_options(self) -> dict:
+        """How the learner scores tokens: under the distribution the sampler draws from (algorithm.sampling)."""
+        sampler = self.config.sampler
+        return {"temperature": sampler.temperature, "top_k": sampler.top_k, "top_p": sampler.top_p}
+
+    # -- abstract state (compile; restore targets) ------------------------------------------------------
+
+    def abstract_params(self, mesh: Mesh | None = None):
+        """(graphdef, state) of the policy with ShapeDtypeStructs, sharded on `mesh` (the learner's) as
+        sharding.shard_module places real ones."""
+        return _placed(nnx.eval_shape(lambda: Transformer(self.model, nnx.Rngs(0))), mesh or self.learner_mesh)
+
+    def abstract_adapters(self, mesh: Mesh | None = None, lora: LoraConfig | None = None):
+        """(graphdef, state) of the LoRA adapters: A like its weight's input, B like its output, rank whole."""
+        lora = lora or self.config.lora
+        return _placed(nnx.eval_shape(lambda: init_adapters(self.model, lora)), mesh or self.learner_mesh)
+
+    def actor_params(self):
+        """(graphdef, state) of the actor's weights: on the actor mesh, in the dtype the actor keeps."""
+        graphdef, state = self.abstract_params(self.actor_mesh)
+        return graphdef, _narrowed(state, self.actor_dtype)
+
+    def actor_adapters(self):
+        graphdef, state = self.abstract_adapters(self.actor_mesh)
+        return graphdef, _narrowed(state, self.actor_dtype)
+
+    def abstract_opt_state(self, optimizer: optax.GradientTransformation, params):
+        """The optimizer state's shapes as the trainer places it: a moment (zeros_like of a parameter) has its
+        parameter's sharding; anything else (step counts) is replicated on the learner mesh."""
+        by_path = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+        shapes = jax.eval_shape(optimizer.init, params)
+
+        def place(path, leaf):
+            for start in range(len(path)):
+                param = by_path.get(path[start:])
+                if param is not None and param.shape == leaf.shape:
+                    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.replicated)
+
+        return jax.tree_util.tree_map_with_path(place, shapes)
+
+    def abstract_batch(self, rows: int | None = None, sharding: NamedSharding | None = None) -> TrainBatch:
+        """A TrainBatch of ShapeDtypeStructs as learner.pack_batch lays it out (default: a whole step's rows,
+        split as the trainer commits them)."""
+        rows = self.rows if rows is None else rows
+        length = self.prompt_bucket + self.completion_bucket
+
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.batch_sharding)
+
+        return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.bool_),
+                          loss_mask=sds((rows, length - 1), jnp.float32), advantages=sds((rows,), jnp.float32),
+                          behaviour_logprobs=sds((rows, length - 1), jnp.float32),
+                          completion_len=self.completion_bucket)
+
+    # -- the learner step -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def learner_step(self) -> LearnerStep:
+        """The learner step over abstract arguments, built as Learner builds it (make_train_step with
+        learner_options, jit_train_step): with LoRA only the adapters train (and have moments); the frozen
+        base, never donated, is the KL reference too; without LoRA a KL penalty has a reference copy."""
+        config = self.config
+        graphdef, params = self.abstract_params()
+        base_graphdef, frozen, dropout_key = None, None, None
+        if config.lora.enabled:
+            base_graphdef, frozen = graphdef, params
+            graphdef, params = self.abstract_adapters()
+            if config.lora.dropout > 0:
+                dropout_key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self.replicated)
+        optimizer = make_optimizer(config.optim)
+        opt_state = self.abstract_opt_state(optimizer, params)
+        reference = params if config.loss.needs_reference and frozen is None else None
+        step = make_train_step(graphdef, optimizer, config.loss, config.optim,
+                               graphdef if reference is not None else None, base_graphdef=base_graphdef,
+                               **self.learner_options())
+        jitted = jit_train_step(step, params, opt_state)
+        step_index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)  # sets the rate
+        return LearnerStep(jitted, (params, opt_state, self.abstract_batch(), reference, frozen, dropout_key,
+                                    step_index), graphdef, base_graphdef, optimizer)
+
+
+def _placed(module: nnx.Module, mesh: Mesh):
+    graphdef, state = nnx.split(module)
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(lambda s, v: v.replace(jax.ShapeDtypeStruct(v.shape, v.get_value().dtype, sharding=s)),
+                         shardings, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, state
+
+
+def _narrowed(state, compute):
+    """Float leaves in `compute` where it is narrower than their own (weight_sync.narrowed), as the trainer's
+    weight sync delivers them and the actor keeps them."""
+    def narrow(v):
+        x = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(x.shape, narrowed(x.dtype, compute), sharding=x.sharding))
+
+    return jax.tree.map(narrow, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shard of every abstract (or real) array in `tree` (the largest shard: replicated
+    and unevenly split dimensions included)."""
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
