@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 # only concerns the CPU backend. It takes effect if set before JAX initialises its backends; set
 # GRPO_JAX_KEEP_XLA_FLAGS=1 to leave XLA_FLAGS untouched.
 _CPU_FLAG = "--xla_cpu_copy_insertion_use_region_analysis=true"
-if not os.environ.get("GRPO_JAX_KEEP_XLA_FLAGS") and "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS", ""):
+if (not os.environ.get("GRPO_JAX_KEEP_XLA_FLAGS")
+        and "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_FLAG).strip()
 
 

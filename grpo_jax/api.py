@@ -16,10 +16,10 @@ import os
 import pathlib
 from typing import Any
 
-from grpo_jax.run.config import Config
+from grpo_jax.algorithm.rewards import register_function
 from grpo_jax.config_io import ConfigError, build_config, config_to_dict, read_config_file
 from grpo_jax.parallel.distributed import initialize
-from grpo_jax.algorithm.rewards import register_function
+from grpo_jax.run.config import Config
 from grpo_jax.run.trainer import Trainer
 
 

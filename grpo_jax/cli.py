@@ -49,11 +49,11 @@ def read_prompts(path: str) -> list[str]:
 
 def cmd_init_model(args) -> None:
     """Build a model from a config's `model` section with random weights and save it in HF layout."""
-    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
+    from grpo_jax.data.tokenizer import load_tokenizer
     from grpo_jax.model.hf import save_hf_model
     from grpo_jax.model.transformer import count_params, create_model
-    from grpo_jax.data.tokenizer import load_tokenizer
+    from grpo_jax.run.config import Config
 
     config = load_config(Config, args.config, args.overrides)
     tokenizer = load_tokenizer(config.tokenizer, config.model_path)
@@ -140,8 +140,8 @@ def show_trainer_log() -> None:
 def cmd_train(args) -> int:
     """Train; resumes from the newest good checkpoint in the run directory. Exit 0 when done,
     EXIT_PREEMPTED (75) after a SIGTERM/SIGINT once its checkpoint is committed."""
-    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
+    from grpo_jax.run.config import Config
     from grpo_jax.run.trainer import EXIT_PREEMPTED, Trainer
 
     config = load_config(Config, args.config, args.overrides)
@@ -171,14 +171,14 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> None:
     """Evaluate a saved model on the config's held-out prompts (its eval section, grpo_jax.run.evaluation): one
     JSON line per prompt to --output (else stdout), then one summary line on stdout."""
-    from grpo_jax.run.config import Config
-    from grpo_jax.config_io import load_config
-    from grpo_jax.run.evaluation import Evaluator, eval_problems, held_out_records
-    from grpo_jax.model.hf import load_hf_model
-    from grpo_jax.run.metrics import json_line
     from grpo_jax.algorithm.rewards import RewardSuite
-    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.config_io import load_config
     from grpo_jax.data.tokenizer import load_tokenizer
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.run.config import Config
+    from grpo_jax.run.evaluation import Evaluator, eval_problems, held_out_records
+    from grpo_jax.run.metrics import json_line
 
     config = load_config(Config, args.config, args.overrides)
     problems = eval_problems(config)  # whatever eval.every_steps says: this command evaluates
@@ -247,10 +247,10 @@ def cmd_compile(args) -> None:
     import os
     # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from grpo_jax.config_io import load_config
     from grpo_jax.planning.compile import compile_run
     from grpo_jax.planning.report import check_fits, format_report
     from grpo_jax.run.config import Config
-    from grpo_jax.config_io import load_config
 
     config = load_config(Config, args.config, args.overrides)
     report = compile_run(config, args.topology, args.chips_per_host, config_path=args.config)
@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile every program of a run for a TPU topology, without a TPU, and "
                           "report per-device memory, cost and a projected step time")
     comp.add_argument("config", help="YAML config, e.g. configs/gsm8k_qwen2_5.yaml")
-    comp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model_path=configs/shapes/Qwen2.5-7B-Instruct")
+    comp.add_argument("overrides", nargs="*",
+                      help="dotted overrides, e.g. model_path=configs/shapes/Qwen2.5-7B-Instruct")
     comp.add_argument("--topology", required=True, help="a TPU slice: v5e:2x4, v5p:2x2x2, v4:2x2x4, v6e:2x4, ...")
     comp.add_argument("--chips-per-host", default="", help="e.g. 2x2 (default: libtpu's 4 chips per host, except "
                       "v5e/v6e slices of up to 8 chips, which are one host)")

@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from grpo_jax.run.config import Config  # noqa: E402
 from grpo_jax.config_io import load_config  # noqa: E402
 from grpo_jax.rollout.engine import Engine  # noqa: E402
+from grpo_jax.run.config import Config  # noqa: E402
 from grpo_jax.run.trainer import Trainer  # noqa: E402
 
 QUIET = ["trainer.progress=false", "trainer.tensorboard=false"]
@@ -70,7 +70,7 @@ class _WaitBank:
         self.limit = np.ones(slots, np.int32)
         self.done = np.ones(slots, bool)
 
-    def take(self, index: np.ndarray) -> "_WaitBank":
+    def take(self, index: np.ndarray) -> _WaitBank:
         out = _WaitBank(len(index))
         keep = index >= 0
         out.generated[keep], out.limit[keep], out.done[keep] = (self.generated[index[keep]], self.limit[index[keep]],

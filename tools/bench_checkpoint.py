@@ -32,8 +32,8 @@ QUIET = ["trainer.progress=false", "trainer.tensorboard=false", "trainer.save_fi
 
 
 def blocking(steps: int, overrides: list[str], run_dir: pathlib.Path, every: int) -> tuple[list[float], list[float]]:
-    from grpo_jax.run.config import Config
     from grpo_jax.config_io import load_config
+    from grpo_jax.run.config import Config
     from grpo_jax.run.trainer import Trainer
 
     config = load_config(Config, CONFIG, [f"trainer.max_steps={steps}", f"checkpoint.every_steps={every}",

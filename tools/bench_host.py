@@ -38,8 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from grpo_jax.algorithm.learner import TrainBatch, pack_batch  # noqa: E402
-from grpo_jax.state.replay_buffer import Group, ReplayBuffer  # noqa: E402
 from grpo_jax.run.trainer import group_rows  # noqa: E402
+from grpo_jax.state.replay_buffer import Group, ReplayBuffer  # noqa: E402
 
 
 def sampler_outputs(rng, groups: int, g: int, prompt_len: int, new_tokens: int):

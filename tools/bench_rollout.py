@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from grpo_jax.rollout.engine import Engine  # noqa: E402
 from grpo_jax.model.hf import load_hf_model  # noqa: E402
+from grpo_jax.rollout.engine import Engine  # noqa: E402
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, MAX_NEW, VOCAB = 64, 8, 64, 512, 32000

@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from grpo_jax.rollout.engine import make_generator  # noqa: E402
 from grpo_jax.model.hf import load_hf_model  # noqa: E402
+from grpo_jax.rollout.engine import make_generator  # noqa: E402
 from grpo_jax.rollout.sampler import SamplerConfig  # noqa: E402
 
 BATCH, PROMPT, NEW, VOCAB = 64, 64, 128, 32000

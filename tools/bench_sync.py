@@ -96,7 +96,8 @@ def main() -> None:
         syncs = {}
         for label, _, _ in paths:
             if label.startswith("new"):
-                syncs[label] = WeightSync(jnp.bfloat16 if "bf16" in label else None, hosts=2 if "hosts" in label else None)
+                syncs[label] = WeightSync(jnp.bfloat16 if "bf16" in label else None,
+                                          hosts=2 if "hosts" in label else None)
         for label, fn, held in paths:
             if label in syncs:
                 fn = (lambda s: lambda: s(params, shardings))(syncs[label])

@@ -74,7 +74,6 @@ import statistics
 import sys
 import time
 
-
 DEFAULT_XLA_FLAGS = "--xla_cpu_copy_insertion_use_region_analysis=true"
 
 
@@ -128,8 +127,8 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
-from grpo_jax.model.lora import LoraConfig, init_adapters  # noqa: E402
 from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
+from grpo_jax.model.lora import LoraConfig, init_adapters  # noqa: E402
 from grpo_jax.model.transformer import ModelConfig, count_params, create_model  # noqa: E402
 
 

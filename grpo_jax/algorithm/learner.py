@@ -61,11 +61,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
-from grpo_jax.algorithm.losses import LossConfig, policy_loss
 from grpo_jax.model.transformer import Transformer, positions_from_mask
-from grpo_jax.algorithm.sampling import tempered_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +316,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         new_params = optax.apply_updates(params, new_updates)
         # A non-finite update changes nothing: parameters and optimizer moments stay as they were. The cast
         # keeps each leaf's dtype (bfloat16 master weights get float32 gradients) through the update loop.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
         metrics = _merge_metrics(stacked, weights)
         metrics.update(loss=loss, grad_norm=grad_norm)
         return keep(new_params, params), keep(new_opt_state, opt_state), metrics, finite

@@ -43,9 +43,10 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from fractions import Fraction
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -359,7 +360,7 @@ class RewardSpec:
         return "process" if regex_kwarg is not None and regex_kwarg in self.kwargs else "thread"
 
     @classmethod
-    def parse(cls, spec: Any) -> "RewardSpec":
+    def parse(cls, spec: Any) -> RewardSpec:
         """From a RewardSpec, a (name, weight[, kwargs]) sequence, or a dict with those keys (+ label,
         samples_per_call, isolation)."""
         if isinstance(spec, RewardSpec):
@@ -863,7 +864,7 @@ class RewardSuite:
         for pool in self._pools:
             pool.close()
 
-    def __enter__(self) -> "RewardSuite":
+    def __enter__(self) -> RewardSuite:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,8 +17,8 @@ Implements ../shared/reference/frontier-restore.md (binding). In short:
 
 Pure Python (no JAX) so that it can be tested on its own. All public methods are thread-safe: the actor
 thread calls handout/mark_finished/mark_dropped/requeue/take_requeued while the learner calls
-mark_trained/requeue/checkpoint_state and mark_dropped (nonfinite_update, run_ended). Each method holds the one lock for its whole duration, so a checkpoint never sees a
-half-made handout or a half-accounted step.
+mark_trained/requeue/checkpoint_state and mark_dropped (nonfinite_update, run_ended). Each method holds the one
+lock for its whole duration, so a checkpoint never sees a half-made handout or a half-accounted step.
 
 The ledger (grpo_jax.state.ledger.Ledger), when given, is written under the same lock as the accounting it
 records, and `checkpoint_state` fsyncs it and records which ledger line it covers. That makes "the
@@ -37,7 +37,8 @@ import dataclasses
 import json
 import logging
 import threading
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from grpo_jax.errors import CheckpointError
 
@@ -338,11 +339,13 @@ class Collector:
         """The group of `ordinal` is complete and now waits in the replay buffer."""
         with self._lock:
             if ordinal not in self._unfinished:
-                raise CollectorStateError(f"mark_finished({ordinal}): ordinal is {self._status(ordinal)}, not unfinished")
+                raise CollectorStateError(f"mark_finished({ordinal}): ordinal is {self._status(ordinal)}, "
+                                          "not unfinished")
             self._unfinished.remove(ordinal)
             self._finished.add(ordinal)
 
-    def mark_trained(self, ordinals: Iterable[int], step: int | None = None, weight_versions: Iterable[int] | None = None) -> None:
+    def mark_trained(self, ordinals: Iterable[int], step: int | None = None,
+                     weight_versions: Iterable[int] | None = None) -> None:
         """One learner step trained these groups. With a ledger, `step` (the step number after this update)
         and `weight_versions` (one per ordinal) are required and one `train` line is written.
         Raises AccountedTwiceError, before changing anything, if any ordinal is already accounted for."""
@@ -350,7 +353,8 @@ class Collector:
             ordinals = self._accounting.check_new(ordinals, "trained")
             for o in ordinals:
                 if o not in self._finished:
-                    raise CollectorStateError(f"mark_trained({o}): ordinal is {self._status(o)}; only finished groups are trained")
+                    raise CollectorStateError(f"mark_trained({o}): ordinal is {self._status(o)}; "
+                                              "only finished groups are trained")
             if self._ledger is not None:
                 weight_versions = [int(v) for v in (weight_versions if weight_versions is not None else ())]
                 if step is None or len(weight_versions) != len(ordinals):
@@ -537,7 +541,7 @@ class Collector:
         handout_size: int | None = None,
         snapshot_ring: int = 512,
         ledger: Any = None,
-    ) -> "Collector":
+    ) -> Collector:
         """A collector that continues from `state` (from checkpoint_state) on a fresh `iterator` over the
         same data.
 
@@ -585,7 +589,8 @@ class Collector:
             self._accounting.dropped_counts.update(state.get("dropped_counts", {}))
             first = accounted_from
             self._positions = {
-                first + i: (int(e), int(d)) for i, (e, d) in enumerate(zip(positions["epoch"], positions["dataset_index"]))
+                first + i: (int(e), int(d))
+                for i, (e, d) in enumerate(zip(positions["epoch"], positions["dataset_index"]))
             }
             self._positions_floor = first
             self._highest_known = highest

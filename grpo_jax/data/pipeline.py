@@ -59,8 +59,8 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
-from grpo_jax.errors import DataError
 from grpo_jax.data.tasks import TASKS, make_synthetic_dataset
+from grpo_jax.errors import DataError
 
 SOURCES = ("jsonl", "parquet", "tfds", "synthetic")
 PROMPT_FORMATS = ("plain", "chat")
@@ -638,7 +638,7 @@ class DataIterator:
         self.fingerprint, self.rows = fingerprint, rows
         self.worker_count, self.shard_index, self.shard_count = worker_count, shard_index, shard_count
 
-    def __iter__(self) -> "DataIterator":
+    def __iter__(self) -> DataIterator:
         return self
 
     def __next__(self) -> dict:

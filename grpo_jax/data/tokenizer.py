@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from grpo_jax.errors import CheckpointError
@@ -203,7 +203,7 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json, plus tokenizer_config.json / chat_template.jinja / generation_config.json /
         config.json when present (the layout transformers' save_pretrained writes)."""
         path = Path(path)
@@ -243,7 +243,7 @@ class Tokenizer:
                    extra_eos_ids=tuple(extra_eos), pad_id=pad_id, source=str(path / TOKENIZER_CONFIG_FILE))
 
     @classmethod
-    def byte_level(cls, extra_special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> "Tokenizer":
+    def byte_level(cls, extra_special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> Tokenizer:
         """A byte-level BPE tokenizer built locally: ids 0..255 are the bytes, then the special tokens.
 
         No merges, so every byte is one token: long sequences, but any text round-trips and no data or
@@ -265,7 +265,7 @@ class Tokenizer:
                    extra_eos_ids=tuple(tok.token_to_id(t) for t in eos), pad_token=pad, source="byte_level()")
 
     @classmethod
-    def char_level(cls, alphabet: str, eos_token: str = "<|endoftext|>", unk_token: str = "<unk>") -> "Tokenizer":
+    def char_level(cls, alphabet: str, eos_token: str = "<|endoftext|>", unk_token: str = "<unk>") -> Tokenizer:
         """One token per character of `alphabet`, plus eos and unk, built locally.
 
         For the synthetic CPU tasks: a tiny model trained from scratch explores a vocabulary of ~30

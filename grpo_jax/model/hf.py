@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.errors import CheckpointError
-from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, param_dict
-from grpo_jax.model.safetensors_io import SafetensorsFile, save_file
 from grpo_jax.data.tokenizer import Tokenizer, read_json
+from grpo_jax.errors import CheckpointError
+from grpo_jax.model.safetensors_io import SafetensorsFile, save_file
+from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, param_dict
 
 __all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpoint_config",
            "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model", "save_hf_model"]

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model.transformer import ModelConfig, Transformer
 from grpo_jax.model.safetensors_io import save_file
+from grpo_jax.model.transformer import ModelConfig, Transformer
 
 # The projections an adapter can target, and their Hugging Face module names inside a decoder layer.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

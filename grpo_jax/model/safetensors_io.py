@@ -75,7 +75,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte "
+                                      "header length)")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > size - 8:
                 raise CheckpointError(f"{path}: header length {header_len} is beyond the file size {size} "

@@ -110,8 +110,8 @@ def _orbax_barriers_through_the_coordinator() -> None:
     That races the trainer's own collectives (issued from the learner thread in a different order on each
     host: an intermittent deadlock) and queues behind the actor's sampling. The coordination service's
     barrier needs no device."""
-    from absl import flags
     import orbax.checkpoint  # noqa: F401 - defines the flag
+    from absl import flags
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()  # outside absl.app.run nothing parses them; the defaults stand

@@ -44,8 +44,9 @@ def sampler_program(plan: RunPlan, topology: Topology, learner_held: int,
     if config.lora.enabled:  # the actor's own base, plus the adapters each sync brings
         adapter_graphdef, adapters = plan.actor_adapters()
     sampler, head = _abstract_sampler(graphdef, state, cfg, adapter_graphdef, adapters)
-    head = jax.ShapeDtypeStruct(head.shape, head.dtype,
-                                sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
+    head = jax.ShapeDtypeStruct(
+        head.shape, head.dtype,
+        sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
     rows = plan.actor_rows
     calls = min(cfg.decode_streams, rows)
     batch = _bucket(-(-rows // calls), cfg.min_batch_bucket)
@@ -131,7 +132,8 @@ class _AbstractSampler(Sampler):
         return jax.eval_shape(functools.partial(vocab_major_head, self.graphdef), state)
 
 
-def _abstract_sampler(graphdef, state, cfg, adapter_graphdef=None, adapters=None) -> tuple[Sampler, jax.ShapeDtypeStruct]:
+def _abstract_sampler(graphdef, state, cfg, adapter_graphdef=None,
+                      adapters=None) -> tuple[Sampler, jax.ShapeDtypeStruct]:
     """A Sampler for abstract weights, and the shape of its vocab-major head; only its jitted program is used
     afterwards, with abstract arguments. Token ids (eos, pad) do not change the program's shapes."""
     lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
@@ -292,8 +294,9 @@ def engine_setup(plan: RunPlan) -> EngineSetup:
     engine = made[0]
     engine.close()
     engine.state, engine._head, engine.adapters = state, head, adapters  # no tracer outlives eval_shape
-    head = jax.ShapeDtypeStruct(head.shape, head.dtype,
-                                sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
+    head = jax.ShapeDtypeStruct(
+        head.shape, head.dtype,
+        sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
     replicated = NamedSharding(mesh, PartitionSpec())
     split = plan.model.num_kv_heads % mesh.shape["tensor"] == 0
     cache_sharding = NamedSharding(mesh, PartitionSpec(None, "tensor")) if split else replicated
@@ -456,7 +459,8 @@ def engine_hints(plan: RunPlan, engine: Engine, weights: int,
         return hints
     now = f"now {engine.num_slots}" + ("" if cfg.slots else ": 0 means prompts_per_step / hosts x group_size")
     hints = [f"fewer sampler.slots ({now}; each holds a KV ring of max_prompt_len + max_new_tokens = {engine.ring} "
-             f"positions)", f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len}",
+             f"positions)",
+             f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len}",
              hints[-1]]
     kv, tensor = plan.model.num_kv_heads, plan.actor_mesh.shape["tensor"]
     if kv % tensor:

@@ -62,8 +62,9 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
         work = pathlib.Path(tmp)
         (work / "args.pkl").write_bytes(pickle.dumps((config, topology_name, chips_per_host, config_path)))
         with open(work / "output", "wb") as output:
-            child = subprocess.Popen([sys.executable, "-c", "from grpo_jax.planning.compile import _child_main; _child_main()",
-                                      str(work)], stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+            child = subprocess.Popen([sys.executable, "-c",
+                                      "from grpo_jax.planning.compile import _child_main; _child_main()", str(work)],
+                                     stdin=subprocess.DEVNULL, stdout=output, stderr=output)
             try:
                 code = child.wait()
             except BaseException:  # interrupted: take the child down with us

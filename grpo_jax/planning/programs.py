@@ -56,10 +56,10 @@ class Cost:
     bytes: float
     seconds: float
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds)
 
-    def __mul__(self, times: float) -> "Cost":
+    def __mul__(self, times: float) -> Cost:
         return Cost(self.flops * times, self.bytes * times, self.seconds * times)
 
 
@@ -236,14 +236,17 @@ def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, .
     the parameters and moments (`state`, per device) alone exceed the device."""
     config, model_config = plan.config, plan.model
     optim, mesh = config.optim, plan.learner_mesh
-    more = "a larger slice" if plan.shared else f"mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice"
+    more = ("a larger slice" if plan.shared
+            else f"mesh.actor_devices={config.mesh.actor_devices} lower, or a larger slice")
     spread = f"a larger mesh.learner.fsdp (now {mesh.shape['fsdp']}) over more learner devices ({more})"
     if plan.shared:  # the actor's copy of the weights shares these devices
         spread += "; or mesh.actor_devices > 0, the actor's copy of the weights on devices of its own"
-    reference = ["loss.kl_coef=0 (no reference copy)"] if config.loss.needs_reference and not config.lora.enabled else []
+    reference = (["loss.kl_coef=0 (no reference copy)"]
+                 if config.loss.needs_reference and not config.lora.enabled else [])
     if state > topology.hbm_bytes:
         lora = [] if config.lora.enabled else ["lora.rank=16 (adapters on a frozen base: no moments for its weights)"]
-        return (f"{spread}: parameters and optimizer state alone take {size_text(state)}iB per device", *reference, *lora)
+        return (f"{spread}: parameters and optimizer state alone take {size_text(state)}iB per device",
+                *reference, *lora)
     hints = [] if model_config.remat else ["model.remat=true"]
     mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
     micro = optim.micro_batch_size or mini_rows

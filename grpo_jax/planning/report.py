@@ -111,14 +111,14 @@ def format_report(report: Report) -> str:
     hosts = f"{t.processes} host{'s' if t.processes > 1 else ''}"
     lines = [
         f"{report.config_path or 'config'} on {t.name}: {len(t.devices)} {t.chip.name} devices, {hosts}; per device "
-        f"{size_text(t.hbm_bytes)}iB HBM, {t.peak_flops / 1e12:.0f} TFLOP/s bf16, {t.hbm_bandwidth / 1e9:.0f} GB/s HBM, "
-        f"{t.ici_bandwidth / 1e9:.0f} GB/s ICI in",
+        f"{size_text(t.hbm_bytes)}iB HBM, {t.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{t.hbm_bandwidth / 1e9:.0f} GB/s HBM, {t.ici_bandwidth / 1e9:.0f} GB/s ICI in",
         f"model: {m.architecture}, {count_text(report.param_count)} parameters, {m.num_layers} layers, weights "
         f"{m.param_dtype}, compute {m.dtype}, remat {str(m.remat).lower()}",
         report.layout,
         "",
-        "per device (bytes in K/M/G/T of 2^10/2^20/2^30/2^40): memory (args + out - alias + temp + code + held = total), "
-        "FLOPs and HBM bytes per call",
+        "per device (bytes in K/M/G/T of 2^10/2^20/2^30/2^40): memory (args + out - alias + temp + code + held = "
+        "total), FLOPs and HBM bytes per call",
         f"{'program':<20}{'devices':>8}{'args':>7}{'out':>7}{'alias':>7}{'temp':>7}{'code':>7}{'held':>7}"
         f"{'total':>7}{'HBM':>7}{'fits':>6}{'FLOPs':>8}{'bytes':>8}{'roofline':>11}{'calls':>6}{'compile':>9}",
     ]
@@ -127,10 +127,10 @@ def format_report(report: Report) -> str:
         fits = "no" if p.total is None or p.total > t.hbm_bytes else "yes"
         lines.append(
             f"{p.name:<20}{p.devices:>8}{size_text(mem and mem.arguments):>7}{size_text(mem and mem.outputs):>7}"
-            f"{size_text(mem and mem.aliased):>7}{size_text(mem and mem.temporaries):>7}{size_text(mem and mem.code):>7}"
-            f"{size_text(p.held):>7}{size_text(p.total):>7}{size_text(t.hbm_bytes):>7}{fits:>6}"
-            f"{count_text(cost and cost.flops):>8}{size_text(cost and cost.bytes):>8}{time_text(cost and cost.seconds):>11}"
-            f"{p.calls_per_step:>6}{p.compile_seconds:>8.1f}s")
+            f"{size_text(mem and mem.aliased):>7}{size_text(mem and mem.temporaries):>7}"
+            f"{size_text(mem and mem.code):>7}{size_text(p.held):>7}{size_text(p.total):>7}{size_text(t.hbm_bytes):>7}"
+            f"{fits:>6}{count_text(cost and cost.flops):>8}{size_text(cost and cost.bytes):>8}"
+            f"{time_text(cost and cost.seconds):>11}{p.calls_per_step:>6}{p.compile_seconds:>8.1f}s")
     for p in report.programs:
         if p.held:
             lines.append(f"  {p.name}: held = {p.held_what}")
@@ -141,18 +141,18 @@ def format_report(report: Report) -> str:
         for note in p.notes:
             lines.append(f"  {p.name}: {note}")
     for x in report.transfers:
-        lines.append(f"{x.name}: {size_text(x.bytes_per_device)}iB into each actor device, {time_text(x.seconds)} ({x.how}; "
-                     "a transfer, not a compiled program)")
+        lines.append(f"{x.name}: {size_text(x.bytes_per_device)}iB into each actor device, "
+                     f"{time_text(x.seconds)} ({x.how}; a transfer, not a compiled program)")
     s = report.step
     lines.append("")
     if s is None:
         lines.append("projected step: none (a program does not fit, or has no time estimate)")
     else:
         mode = "overlapped: disjoint devices, max_staleness >= 1" if s.overlapped else "one after the other"
-        lines.append(f"projected step: {time_text(s.seconds)} (learner + weight sync {time_text(s.learner_seconds)}, actor "
-                     f"{time_text(s.actor_seconds)}; {mode}); {s.tokens / s.seconds:,.0f} tokens/s ({s.tokens:,} prompt + "
-                     f"completion tokens per step at the bucket lengths); MFU {100 * s.mfu:.1f}% "
-                     f"({count_text(s.model_flops)} model FLOPs per step)")
+        lines.append(f"projected step: {time_text(s.seconds)} (learner + weight sync {time_text(s.learner_seconds)}, "
+                     f"actor {time_text(s.actor_seconds)}; {mode}); {s.tokens / s.seconds:,.0f} tokens/s "
+                     f"({s.tokens:,} prompt + completion tokens per step at the bucket lengths); "
+                     f"MFU {100 * s.mfu:.1f}% ({count_text(s.model_flops)} model FLOPs per step)")
     lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth) per loop body, times its trip count (decode: "
                  "every row to max_new_tokens); collectives and host work are not counted: a lower bound")
     return "\n".join(lines)
@@ -168,7 +168,8 @@ def check_fits(report: Report) -> None:
             problems.append(f"{p.name} refused by the compiler{', ' + excess if excess else ''} ({p.refusal}); "
                             "try " + ", ".join(p.hints))
         elif p.total > t.hbm_bytes:
-            problems.append(f"{p.name} needs {size_text(p.total)}iB per device, {size_text(p.total - t.hbm_bytes)}iB over the "
-                            f"{size_text(t.hbm_bytes)}iB of a {t.chip.name} device; try " + ", ".join(p.hints))
+            problems.append(f"{p.name} needs {size_text(p.total)}iB per device, "
+                            f"{size_text(p.total - t.hbm_bytes)}iB over the {size_text(t.hbm_bytes)}iB of a "
+                            f"{t.chip.name} device; try " + ", ".join(p.hints))
     if problems:
         raise DoesNotFit(f"does not fit on {t.name}: " + "; ".join(problems))

@@ -49,21 +49,22 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
+from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.data.collector import Collector, Prompt
+from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.errors import TrainerError
 from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.rollout.engine import Engine, GroupResult
-from grpo_jax.errors import TrainerError
+from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.state.ledger import global_ordinal
 from grpo_jax.state.replay_buffer import Group, ReplayBuffer
-from grpo_jax.algorithm.rewards import RewardSuite
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("grpo_jax.rollout.actor")
 

@@ -41,16 +41,17 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
 from grpo_jax.algorithm.sampling import sample_logits
-from grpo_jax.rollout.sampler import SampleResult, Sampler, SamplerConfig, _bucket, vocab_major_head
+from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig, SampleResult, _bucket, vocab_major_head
 
 DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
@@ -233,7 +234,8 @@ class Engine:
         if len(prompt) == 0:
             raise ValueError("submit: the prompt is empty")
         if len(prompt) > cfg.max_prompt_len:
-            raise ValueError(f"submit: the prompt has {len(prompt)} tokens, more than max_prompt_len={cfg.max_prompt_len}")
+            raise ValueError(f"submit: the prompt has {len(prompt)} tokens, "
+                             f"more than max_prompt_len={cfg.max_prompt_len}")
         max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if not 1 <= max_new <= cfg.max_new_tokens:
             raise ValueError(f"submit: max_new_tokens={max_new}: must be in 1..{cfg.max_new_tokens} (the KV ring "
@@ -393,14 +395,15 @@ class Engine:
 
     def program_shapes(self, group_size: int = 1) -> tuple[list[int], list[int], list[int]]:
         """The shapes of the programs a run with groups of `group_size` samples can use (what warm_up compiles,
-        and grpo_jax.planning.compile compiles for a TPU slice): the bank sizes (full, then halved one step at a time while
-        draining), the prompt buckets, and the admission's row counts (every power-of-two count of prompts one
-        bank can take at a boundary, partly placed groups included)."""
+        and grpo_jax.planning.compile compiles for a TPU slice): the bank sizes (full, then halved one step at a
+        time while draining), the prompt buckets, and the admission's row counts (every power-of-two count of
+        prompts one bank can take at a boundary, partly placed groups included)."""
         cfg = self.config
         sizes = [self.bank_slots]
         while self.shrink and sizes[-1] // 2 >= self.min_bank_slots:
             sizes.append(sizes[-1] // 2)
-        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len) for n in range(1, cfg.max_prompt_len + 1)})
+        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len)
+                        for n in range(1, cfg.max_prompt_len + 1)})
         most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
         rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
         return sizes, plens, rows
@@ -581,7 +584,8 @@ class Engine:
 
     def _draw(self, keys, index):
         """[S] uniforms: token `index[s]` of slot s draws from fold_in(key[s], index[s]), as in the static sampler."""
-        return jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
+        return jax.vmap(lambda k, t: jax.random.uniform(
+            jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
 
     def _admit_impl(self, params, head, adapters, state: SlotState, tokens, mask, slot, source, keys, limit,
                     temperature, top_p, *, greedy, top_k, use_top_p):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_jax.state.checkpoint import CheckpointConfig
-from grpo_jax.data.pipeline import DataConfig
-from grpo_jax.parallel.distributed import DistributedConfig
-from grpo_jax.run.evaluation import EvalConfig, eval_problems
 from grpo_jax.algorithm.advantages import GRPOConfig
 from grpo_jax.algorithm.learner import OptimConfig
-from grpo_jax.model.lora import LoraConfig
 from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.data.pipeline import DataConfig
+from grpo_jax.model.lora import LoraConfig
 from grpo_jax.model.transformer import ModelConfig
-from grpo_jax.rollout.sampler import SamplerConfig
+from grpo_jax.parallel.distributed import DistributedConfig
 from grpo_jax.parallel.sharding import MeshLayout
+from grpo_jax.rollout.sampler import SamplerConfig
+from grpo_jax.run.evaluation import EvalConfig, eval_problems
 from grpo_jax.run.wandb_logger import WandbConfig
+from grpo_jax.state.checkpoint import CheckpointConfig
 
 
 @dataclasses.dataclass(frozen=True)

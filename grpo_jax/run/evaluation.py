@@ -40,21 +40,30 @@ import math
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.data.pipeline import DataConfig, _check_fields, _resolve_file, _RowError, _ToRecord, json_value, open_source
-from grpo_jax.errors import DataError
 from grpo_jax.algorithm.rewards import RewardSpec, RewardSuite
+from grpo_jax.data.pipeline import (
+    DataConfig,
+    _check_fields,
+    _resolve_file,
+    _RowError,
+    _ToRecord,
+    json_value,
+    open_source,
+)
+from grpo_jax.errors import DataError
 
 if TYPE_CHECKING:
-    from grpo_jax.rollout.actor import Actor
-    from grpo_jax.run.config import Config
-    from grpo_jax.rollout.sampler import Sampler
     from grpo_jax.data.tokenizer import Tokenizer
+    from grpo_jax.rollout.actor import Actor
+    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.run.config import Config
 
 logger = logging.getLogger("grpo_jax.run.evaluation")
 

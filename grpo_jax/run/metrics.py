@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from grpo_jax.cleanup import run_all
 from grpo_jax.errors import RunDirError
-from grpo_jax.state.line_file import LineFile
 from grpo_jax.run.wandb_logger import WandbConfig, WandbLogger
+from grpo_jax.state.line_file import LineFile
 
 EVAL_KIND = "eval"  # the "kind" of an evaluation line of metrics.jsonl; learner-step lines have no "kind"
 KINDS = ("step", "eval", "all")

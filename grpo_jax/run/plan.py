@@ -34,8 +34,14 @@ from grpo_jax.errors import ConfigError
 from grpo_jax.model.lora import LoraConfig, init_adapters
 from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
 from grpo_jax.parallel.distributed import by_process
-from grpo_jax.parallel.sharding import DeviceCut, batch_sharding, batch_split_problem, cut_devices, make_mesh, \
-    state_shardings
+from grpo_jax.parallel.sharding import (
+    DeviceCut,
+    batch_sharding,
+    batch_split_problem,
+    cut_devices,
+    make_mesh,
+    state_shardings,
+)
 from grpo_jax.rollout.weight_sync import WeightSync, narrowed
 from grpo_jax.run.config import Config
 
@@ -88,7 +94,7 @@ class RunPlan:
     actor_mesh: Mesh  # this host's actor devices, or every host's when the actor spans the hosts
 
     @classmethod
-    def build(cls, config: Config, devices, this_host: int = 0, process_word: str = "process") -> "RunPlan":
+    def build(cls, config: Config, devices, this_host: int = 0, process_word: str = "process") -> RunPlan:
         """The plan for `devices` (jax.Device objects of every process: this process's jax.devices(), or a
         topology's). `this_host`: whose actor devices make the actor mesh (an actor per host); every host is
         cut the same way. ConfigError, one line, for a config these devices cannot run."""

@@ -40,29 +40,29 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.rollout.actor import Actor, ActorLimits
-from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
-from grpo_jax.cleanup import run_all
-from grpo_jax.data.collector import Collector, Prompt
-from grpo_jax.run.config import Config
-from grpo_jax.run.plan import RunPlan
-from grpo_jax.config_io import ConfigError, config_to_dict, save_config
-from grpo_jax.data.pipeline import FINGERPRINT_PREFIX, DataError, make_data_iterator
-from grpo_jax.parallel.distributed import HostAgreement
-from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
-from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
 from grpo_jax.algorithm.learner import Learner, mini_batch_of_row, pack_batch
-from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
-from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
-from grpo_jax.run.metrics import MetricsWriter
-from grpo_jax.model.transformer import Transformer, create_model
-from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
 from grpo_jax.algorithm.rewards import RewardSuite
-from grpo_jax.state.run_lock import RunDirLock
-from grpo_jax.rollout.engine import make_generator
-from grpo_jax.parallel.sharding import (shard_module)
+from grpo_jax.cleanup import run_all
+from grpo_jax.config_io import ConfigError, config_to_dict, save_config
+from grpo_jax.data.collector import Collector, Prompt
+from grpo_jax.data.pipeline import FINGERPRINT_PREFIX, DataError, make_data_iterator
 from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
+from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
+from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
+from grpo_jax.model.transformer import Transformer, create_model
+from grpo_jax.parallel.distributed import HostAgreement
+from grpo_jax.parallel.sharding import shard_module
+from grpo_jax.rollout.actor import Actor, ActorLimits
+from grpo_jax.rollout.engine import make_generator
 from grpo_jax.rollout.weight_sync import WeightSync
+from grpo_jax.run.config import Config
+from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
+from grpo_jax.run.metrics import MetricsWriter
+from grpo_jax.run.plan import RunPlan
+from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
+from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
+from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.state.run_lock import RunDirLock
 
 logger = logging.getLogger("grpo_jax.run.trainer")
 
@@ -213,7 +213,7 @@ class StopSignals:
         self._reading = threading.RLock()  # the handler may run again inside itself (a signal during it)
         self._active = False
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self
         self._pipe = os.pipe()
@@ -697,7 +697,8 @@ class Trainer:
             taken = self.buffer.take(self.local_prompts, self.version,
                                      timeout=max(min(deadline - time.monotonic(), self.STOP_ROUND_S), 0.01))
         except ReplayBufferClosed as e:
-            if isinstance(e.__cause__, UserError):  # the actor stopped the run saying why (failing rewards, a full disk)
+            # the actor stopped the run saying why (failing rewards, a full disk)
+            if isinstance(e.__cause__, UserError):
                 raise e.__cause__ from None
             raise TrainerError(f"the actor thread failed, so step {step} cannot get its groups: "
                                f"{e.__cause__!r}") from e.__cause__
@@ -965,7 +966,8 @@ class Trainer:
             "reward/min": float(rewards.min()), "kl": float(kl),
             "staleness/mean": float(np.mean(staleness)), "staleness/max": int(np.max(staleness)),
             "staleness/values": staleness, "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
-            "time/learner_s": learn_seconds, "zero_variance_groups": int(sum(grp.extras["zero_variance"] for grp in groups)),
+            "time/learner_s": learn_seconds,
+            "zero_variance_groups": int(sum(grp.extras["zero_variance"] for grp in groups)),
             "frontier": counts["frontier"], "dropped": sum(counts["dropped"].values()),
             "actor/tokens_per_s": self.actor.generated_tokens / max(self.actor.generate_seconds, 1e-9),
             "_tokens": int(lengths.sum() + sum(len(grp.prompt["prompt_ids"]) for grp in groups) * g),

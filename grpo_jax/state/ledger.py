@@ -35,8 +35,9 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from grpo_jax.errors import RunDirError
 from grpo_jax.state.line_file import LineFile
@@ -71,7 +72,8 @@ def read_lines(path: Path) -> tuple[list[dict], list[str], list[str], int]:
     complete_len = data.rfind(b"\n") + 1
     warnings, errors, lines = [], [], []
     if complete_len < len(data):
-        warnings.append(f"{path}: ignored an incomplete last line ({len(data) - complete_len} bytes, a crash mid-write)")
+        warnings.append(f"{path}: ignored an incomplete last line ({len(data) - complete_len} bytes, "
+                        "a crash mid-write)")
     for number, raw in enumerate(data[:complete_len].splitlines(), start=1):
         if not raw.strip():
             continue
@@ -170,7 +172,8 @@ class Ledger:
                                    "after its last ledger line counts; free space (or fix the mount) and run the same "
                                    "command to resume from the last committed checkpoint") from e
 
-    def train(self, step: int, ordinals: Iterable[int], dataset_index: Iterable[int], epoch: Iterable[int], weight_version: Iterable[int]) -> dict:
+    def train(self, step: int, ordinals: Iterable[int], dataset_index: Iterable[int], epoch: Iterable[int],
+              weight_version: Iterable[int]) -> dict:
         """One learner step: the ordinals it trained, with their dataset index, epoch and weight version."""
         ordinals, dataset_index = [self._global(o) for o in ordinals], [int(i) for i in dataset_index]
         epoch, weight_version = [int(e) for e in epoch], [int(v) for v in weight_version]
@@ -178,7 +181,8 @@ class Ledger:
             raise ValueError("ledger train: ordinals, dataset_index, epoch and weight_version differ in length")
         return self._write(
             "train",
-            {"step": int(step), "ordinals": ordinals, "dataset_index": dataset_index, "epoch": epoch, "weight_version": weight_version},
+            {"step": int(step), "ordinals": ordinals, "dataset_index": dataset_index, "epoch": epoch,
+             "weight_version": weight_version},
         )
 
     def drop(self, ordinal: int, dataset_index: int, epoch: int, reason: str, detail: str | None = None) -> dict:
@@ -200,7 +204,8 @@ class Ledger:
             if covers is None:
                 covers = _line_id(self.run, self._next_seq - 1)
             covers = _line_id(covers["run"], covers["seq"])
-        self._write("checkpoint", {"step": int(step), "frontier_ordinal": self._global(frontier_ordinal), "covers": covers})
+        self._write("checkpoint", {"step": int(step), "frontier_ordinal": self._global(frontier_ordinal),
+                                   "covers": covers})
         self.fsync()
         return covers
 
@@ -221,7 +226,7 @@ class Ledger:
         with self._lock:
             self._file.close()
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -253,7 +258,8 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.trained_twice or self.trained_and_dropped or self.position_problems or self.errors)
+        return not (self.lost or self.trained_twice or self.trained_and_dropped or self.position_problems
+                    or self.errors)
 
     def summary(self) -> str:
         def few(xs: list) -> str:
@@ -401,7 +407,8 @@ def _audit_file(path: Path, report: AuditReport) -> dict[int, tuple[int, int]]:
             report.errors.append(f"ordinal {ordinal} does not belong to process {offset} of {stride}")
         seen = position.setdefault(ordinal, (epoch, index))
         if seen != (epoch, index):
-            report.position_problems.append(f"ordinal {ordinal} is (epoch, dataset_index) {seen} and also {(epoch, index)}")
+            report.position_problems.append(f"ordinal {ordinal} is (epoch, dataset_index) {seen} "
+                                            f"and also {(epoch, index)}")
 
     for line in chain:
         try:
@@ -424,7 +431,8 @@ def _audit_file(path: Path, report: AuditReport) -> dict[int, tuple[int, int]]:
     highest = max(accounted, default=offset - stride)
     report.handed_out = (highest - offset) // stride + 1
     report.lost = [o for o in range(offset, report.frontier_ordinal, stride) if o not in accounted]
-    report.unresolved = sum(1 for o in range(report.frontier_ordinal, highest + 1) if o % stride == offset and o not in accounted)
+    report.unresolved = sum(1 for o in range(report.frontier_ordinal, highest + 1)
+                            if o % stride == offset and o not in accounted)
     return position
 
 

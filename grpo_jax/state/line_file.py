@@ -1,10 +1,10 @@
 """Append-only files of complete lines (the ledger, metrics.jsonl, eval.jsonl) that a full disk cannot tear.
 
 Each line goes straight to an O_APPEND descriptor (os.write, repeated only when a full disk takes part of it):
-no Python buffer keeps a line that failed and hands it to the disk later (a later flush would write a line whose effect nothing recorded). A line the disk refuses,
-even in part, is cut off at once, and the file takes no line after it (`failed`), so the file only ever holds
-complete lines in the order they were accepted. An incomplete last line left by a crash is cut off when the
-file is opened. Pure Python.
+no Python buffer keeps a line that failed and hands it to the disk later (a later flush would write a line
+whose effect nothing recorded). A line the disk refuses, even in part, is cut off at once, and the file takes
+no line after it (`failed`), so the file only ever holds complete lines in the order they were accepted. An
+incomplete last line left by a crash is cut off when the file is opened. Pure Python.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ import base64
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -196,7 +197,8 @@ class ReplayBuffer:
                 if len(self._groups) < self.capacity:
                     break
                 if not self._wait(deadline):
-                    raise ReplayBufferTimeout(f"put(ordinal {group.ordinal}): buffer full ({self.capacity} groups) for {timeout} s")
+                    raise ReplayBufferTimeout(f"put(ordinal {group.ordinal}): buffer full ({self.capacity} groups) "
+                                              f"for {timeout} s")
             self._groups[group.ordinal] = group
             if self._reserved > 0:
                 self._reserved -= 1
@@ -289,7 +291,7 @@ class ReplayBuffer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def to_state(self, pool: "ArrayPool | None" = None) -> dict:
+    def to_state(self, pool: ArrayPool | None = None) -> dict:
         """The waiting groups as plain JSON values (reservations are not saved: in-flight generation is
         lost on a restart, and the collector hands those prompts out again). `ordinals` lists the
         groups' ordinals: pass it to Collector.checkpoint_state, after taking this state. With `pool`,
@@ -308,9 +310,9 @@ class ReplayBuffer:
 
     @classmethod
     def from_state(cls, state: dict, capacity: int | None = None, max_staleness: int | None = None,
-                   prompts_per_step: int | None = None, pool: "ArrayPool | None" = None,
+                   prompts_per_step: int | None = None, pool: ArrayPool | None = None,
                    learner_version: int | None = None,
-                   fits: "Callable[[Group], str | None] | None" = None) -> "ReplayBuffer":
+                   fits: Callable[[Group], str | None] | None = None) -> ReplayBuffer:
         """A buffer holding the saved groups; the sizes and learner version default to the saved ones (a
         new config may change them). `pool`: the arrays a state taken with a pool refers to.
 
@@ -346,7 +348,8 @@ class ReplayBuffer:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ReplayBufferClosed(f"replay buffer closed: {type(self._error).__name__}: {self._error}") from self._error
+            raise ReplayBufferClosed(
+                f"replay buffer closed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _wait(self, deadline: float | None) -> bool:
         """Wait for a notify; False once the deadline has passed."""
