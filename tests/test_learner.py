@@ -498,3 +498,69 @@ def test_greedy_sampling_is_refused_for_training():
     assert "sampler.temperature=0" in message and "eval.temperature" in message and "\n" not in message
     # Evaluation's temperature is its own (its pass@1 is greedy whatever the sampler's).
     assert build_config(Config, {"tokenizer": "byte"}, ["sampler.temperature=0.5"]).eval.temperature == 1.0
+
+
+# ------------------------------------------------------------------ log-probs in chunks of positions
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 11, 32])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 7, 0.9)])
+def test_chunked_logprobs_equal_the_whole_at_once_in_value_and_gradient(chunk, temperature, top_k, top_p):
+    from grpo_jax.algorithm.learner import chunked_logprobs
+
+    rng = np.random.default_rng(chunk)
+    hidden = jnp.asarray(rng.normal(size=(3, 11, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (3, 11)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(3, 11)), jnp.float32)
+
+    def objective(head, hidden, size):
+        logprobs, entropy = chunked_logprobs(lambda h: h @ head, hidden, targets, size, temperature, top_k, top_p,
+                                             with_entropy=True)
+        return jnp.sum(logprobs * weights), (logprobs, entropy)
+
+    grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (value, (lp, ent)), (d_head, d_hidden) = grad(head, hidden, chunk)
+    (value0, (lp0, ent0)), (d_head0, d_hidden0) = grad(head, hidden, 0)
+    np.testing.assert_allclose(lp, lp0, atol=1e-5)
+    np.testing.assert_allclose(ent, ent0, atol=1e-5)
+    np.testing.assert_allclose(d_head, d_head0, atol=1e-5)
+    np.testing.assert_allclose(d_hidden, d_hidden0, atol=1e-5)
+    assert abs(float(value - value0)) < 1e-4
+
+
+def test_chunked_logprobs_hold_no_rows_by_positions_by_vocab_array():
+    # Compiled for 16 rows x 512 positions x a 4096 vocabulary: the whole float32 logits are 128 MiB; in chunks
+    # of 32 positions, the step's temporaries stay near one chunk's (8 MiB) and its gradient's.
+    from grpo_jax.algorithm.learner import chunked_logprobs
+
+    rows, positions, embed, vocab = 16, 512, 64, 4096
+    hidden = jax.ShapeDtypeStruct((rows, positions, embed), jnp.float32)
+    head = jax.ShapeDtypeStruct((embed, vocab), jnp.float32)
+    targets = jax.ShapeDtypeStruct((rows, positions), jnp.int32)
+
+    def temporaries(chunk):
+        def loss(head, hidden, targets):
+            return jnp.sum(chunked_logprobs(lambda h: h @ head, hidden, targets, chunk)[0])
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(head, hidden, targets).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole = rows * positions * vocab * 4
+    assert temporaries(0) >= whole
+    assert temporaries(32) < whole / 4
+
+
+@pytest.mark.parametrize("model_config", [MODEL, dataclasses.replace(MODEL, dtype="bfloat16")], ids=["f32", "bf16"])
+def test_a_learner_step_with_chunked_logprobs_equals_the_unchunked_one(model_config):
+    optim = dict(lr=1.0, eps=1.0, grad_clip=0.0, mini_batches=2)
+    loss = LossConfig(aggregation="seq_mean_token_mean", kl_coef=0.01, off_policy="tis")
+    batch = random_batch(7)
+    learners = [Learner(create_model(model_config, seed=3), OptimConfig(**optim, logprob_chunk=chunk), loss,
+                        reference_model=create_model(model_config, seed=4), temperature=0.8, top_p=0.9)
+                for chunk in (0, 2)]
+    start = params_of(learners[0])
+    (whole, _), (chunked, _) = [learner.step(batch) for learner in learners]
+    moved = max_param_diff(start, params_of(learners[0]))
+    tolerance = 1e-5 if model_config.dtype == "float32" else 1e-2
+    assert moved > 1e-3 and max_param_diff(params_of(learners[0]), params_of(learners[1])) < tolerance * moved
+    assert whole["loss"] == pytest.approx(chunked["loss"], abs=1e-5 if model_config.dtype == "float32" else 1e-3)

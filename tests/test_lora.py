@@ -413,3 +413,21 @@ def test_compile_lays_out_adapters_on_a_frozen_base():
     assert [t.bytes_per_device for t in report.transfers] == [shard_bytes(actor_adapters)]
     sampler = report.program("sampler generate")
     assert sampler.memory is not None and "adapters" in sampler.held_what
+
+
+def test_a_lora_step_with_chunked_logprobs_equals_the_unchunked_one():
+    rng = np.random.default_rng(5)
+    batch = pack_batch([list(rng.integers(1, 64, 4)) for _ in range(4)], [list(rng.integers(1, 64, 5)) for _ in range(4)],
+                       [rng.normal(-3, 0.3, 5) for _ in range(4)], rng.normal(size=4), pad_id=0, prompt_len=6,
+                       completion_len=5)
+    learners = [Learner(create_model(MODEL, seed=0), OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0, logprob_chunk=chunk),
+                        LossConfig(kl_coef=0.01), adapters=init_adapters(MODEL, LORA, seed=0), temperature=0.7)
+                for chunk in (0, 2)]
+    start = jax.tree.map(np.asarray, learners[0].params)
+    for learner in learners:
+        learner.step(batch)
+    moved = max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(jax.tree.leaves(learners[0].params),
+                                                                       jax.tree.leaves(start)))
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(learners[0].params), jax.tree.leaves(learners[1].params)))
+    assert moved > 1e-3 and diff < 1e-5 * moved

@@ -83,6 +83,9 @@ class OptimConfig:
     mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
     epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
     max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
+    # Completion positions whose logits exist at once (chunked_logprobs): a device holds rows x this x vocab
+    # float32 logits, not rows x max_new_tokens x vocab. 0: all positions at once.
+    logprob_chunk: int = 128
 
     @property
     def updates_per_step(self) -> int:
@@ -92,7 +95,7 @@ class OptimConfig:
         problems = []
         if self.lr <= 0:
             problems.append(f"lr={self.lr}: must be > 0")
-        for key in ("warmup_steps", "decay_steps", "micro_batch_size"):
+        for key in ("warmup_steps", "decay_steps", "micro_batch_size", "logprob_chunk"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 0")
         for key in ("mini_batches", "epochs"):
@@ -177,19 +180,48 @@ class TrainBatch:
 
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
                    last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None, top_k: int = 0,
-                   top_p: float = 1.0):
+                   top_p: float = 1.0, chunk: int = 0):
     """Log-prob of each next token under the sampler's distribution (tempered_logprobs: softmax(logits /
     temperature), truncated by top_k / top_p), [B, L-1] (or only the last `last` positions, [B, last]), and
     optionally the entropy of each next-token distribution. adapters, dropout_key: LoRA on top of the model
-    (Transformer.hidden_states)."""
+    (Transformer.hidden_states). chunk: positions whose logits exist at once (chunked_logprobs); 0: all."""
     positions = positions_from_mask(input_mask)
     hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1], adapters=adapters,
                                     dropout_key=dropout_key)
     targets = tokens[:, 1:]
     if last:
         hidden, targets = hidden[:, -last:], targets[:, -last:]
-    logits = model.logits(hidden)  # float32
-    return tempered_logprobs(logits, targets, temperature, top_k, top_p, with_entropy=with_entropy)
+    return chunked_logprobs(model.logits, hidden, targets, chunk, temperature, top_k, top_p, with_entropy)
+
+
+def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0,
+                     top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False):
+    """tempered_logprobs of `targets` [B, T] from hidden states [B, T, E] (logits_of: [..., E] -> float32
+    [..., V]), without a [B, T, V] array in the forward or the backward pass: the positions go through a scan
+    in chunks of `chunk`, each chunk's logits made, used and dropped inside a rematerialised body (made again,
+    chunk by chunk, when the gradient needs them). Every row is in every chunk, so a batch sharded by rows
+    keeps all its devices busy. The values and gradients are those of the whole at once, up to float32
+    rounding. chunk 0 (or >= T): all positions at once."""
+    b, t, e = hidden.shape
+    if not chunk or chunk >= t:
+        return tempered_logprobs(logits_of(hidden), targets, temperature, top_k, top_p, with_entropy=with_entropy)
+    n = -(-t // chunk)
+    pad = n * chunk - t  # padded positions score token 0 and are cut off below
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, e).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(h, target):
+        logprobs, entropy = tempered_logprobs(logits_of(h), target, temperature, top_k, top_p,
+                                              with_entropy=with_entropy)
+        return logprobs, (entropy if with_entropy else jnp.zeros_like(logprobs))
+
+    logprobs, entropy = jax.lax.map(lambda xs: one_chunk(*xs), (hidden, targets))
+
+    def unchunk(x):  # [n, B, chunk] -> [B, T]
+        return x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk(logprobs), (unchunk(entropy) if with_entropy else None)
 
 
 def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig) -> jax.Array:
@@ -266,7 +298,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             model, adapters = nnx.merge(base_graphdef, frozen), None if params is None else nnx.merge(gd, params)
         return token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=with_entropy,
                               last=micro.completion_len, temperature=temperature, adapters=adapters,
-                              dropout_key=dropout_key, top_k=top_k, top_p=top_p)
+                              dropout_key=dropout_key, top_k=top_k, top_p=top_p, chunk=optim_config.logprob_chunk)
 
     def num_micro(rows: int) -> int:
         return rows // micro_batch_size if micro_batch_size else 1

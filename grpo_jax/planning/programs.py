@@ -194,6 +194,7 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
             model, adapters = (nnx.merge(learner.graphdef, p), None) if f is None else \
                 (nnx.merge(learner.base_graphdef, f), nnx.merge(learner.graphdef, p))
             return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len, adapters=adapters,
+                                  chunk=optim.logprob_chunk,
                                   **{**options, "temperature": options["temperature"] or 1.0})[0]
 
         compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
@@ -250,11 +251,16 @@ def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, .
     hints = [] if model_config.remat else ["model.remat=true"]
     mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
     micro = optim.micro_batch_size or mini_rows
+    new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
+    positions = min(optim.logprob_chunk or new, new)  # the completion positions whose logits exist at once
     if micro > 1:
         smaller = next(m for m in range(micro // 2, 0, -1) if mini_rows % m == 0)
-        new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
-        hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits, "
-                     f"[{micro}, {new}, {vocab}], are {size_text(4 * micro * new * vocab)}iB before any split)")
+        hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits "
+                     f"chunk, [{micro}, {positions}, {vocab}], is {size_text(4 * micro * positions * vocab)}iB before "
+                     "any split)")
+    if positions > 16:
+        hints.append(f"optim.logprob_chunk={positions // 2} (now {optim.logprob_chunk}: the completion positions "
+                     "whose logits exist at once)")
     return (*hints, spread, *reference)
 
 
