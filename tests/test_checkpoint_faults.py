@@ -678,7 +678,7 @@ def test_a_file_of_the_step_that_cannot_be_read_for_its_permissions_is_not_damag
         if not shutil.which("setpriv"):
             pytest.skip("running as root without setpriv: no way to read as a user that permissions stop")
         as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        reads_checkout = f"open({str(REPO / 'grpo_jax' / 'checkpoint.py')!r}).close()"
+        reads_checkout = f"open({str(REPO / 'grpo_jax' / 'state' / 'checkpoint.py')!r}).close()"
         if subprocess.run([*as_user, sys.executable, "-c", reads_checkout], check=False).returncode != 0:
             pytest.skip("user nobody cannot read this checkout or run its Python")
     files = files_of_step(two_steps, 2)

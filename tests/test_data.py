@@ -444,7 +444,9 @@ def test_a_dataset_edited_in_the_middle_is_another_dataset(tmp_path, gsm8k_rows,
 def test_plain_prompts_start_with_the_bos_in_training_evaluation_and_generate(tmp_path, gsm8k_rows, monkeypatch):
     import transformers
 
-    from grpo_jax import cli, hf as hf_io, sampler
+    from grpo_jax import cli
+    from grpo_jax.model import hf as hf_io
+    from grpo_jax.rollout import sampler
     from grpo_jax.run.config import Config
     from grpo_jax.run.evaluation import held_out_records
     from test_tokenizer import BOT, write_llama3_like

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax import cli, errors, run_lock
+from grpo_jax import cli, errors
+from grpo_jax.state import run_lock
 from grpo_jax.data.pipeline import DataConfig, json_value, make_data_iterator
 from grpo_jax.state.ledger import audit
 from grpo_jax.state.replay_buffer import Group, ReplayBuffer

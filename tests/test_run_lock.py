@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from grpo_jax import cli, errors, run_lock
+from grpo_jax import cli, errors
+from grpo_jax.state import run_lock
 from grpo_jax.state.run_lock import RunDirLock, lock_file
 
 from test_trainer import FAST
