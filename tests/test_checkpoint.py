@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from grpo_jax import cli
-from grpo_jax.state.checkpoint import CORRUPT_DIR, layout_difference, tree_layout
 from grpo_jax.errors import CheckpointError
-from grpo_jax.state.ledger import audit
 from grpo_jax.run.trainer import Trainer
-
+from grpo_jax.state.checkpoint import CORRUPT_DIR, layout_difference, tree_layout
+from grpo_jax.state.ledger import audit
 from test_trainer import read_ledger, tiny_config
 
 
@@ -103,7 +102,9 @@ def test_a_corrupt_latest_step_falls_back_to_the_one_before(tmp_path, caplog):
 def saved_run(tmp_path_factory) -> pathlib.Path:
     """A finished 2-step run with checkpoints, for the refusal tests (each copies it)."""
     run_dir = tmp_path_factory.mktemp("saved")
-    Trainer(tiny_config(run_dir, "trainer.max_steps=2", "checkpoint.every_steps=1", "trainer.tensorboard=false")).train()
+    Trainer(
+        tiny_config(run_dir, "trainer.max_steps=2", "checkpoint.every_steps=1", "trainer.tensorboard=false")
+    ).train()
     return run_dir
 
 
@@ -129,8 +130,20 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_refused_with_the_reason(sa
 def test_the_cli_refuses_another_dataset_in_one_line_with_exit_code_2(saved_run, tmp_path, capsys):
     run_dir = copy_of(saved_run, tmp_path)
     config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
-    code = cli.main(["train", str(config), "--run-dir", str(run_dir), "data.shuffle_seed=5", "model.hidden_size=32",
-                     "model.intermediate_size=64", "model.num_layers=1", "grpo.group_size=4", "grpo.prompts_per_step=4"])
+    code = cli.main(
+        [
+            "train",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "data.shuffle_seed=5",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_layers=1",
+            "grpo.group_size=4",
+            "grpo.prompts_per_step=4",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "data fingerprint" in err[0], err
 

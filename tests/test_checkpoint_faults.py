@@ -23,12 +23,19 @@ import orbax.checkpoint as ocp
 import pytest
 
 from grpo_jax import cli
-from grpo_jax.state.checkpoint import (CHECKSUM_KEY, CORRUPT_DIR, CheckpointConfig, Checkpoints, DamagedStep, damage_in,
-                                 not_damage, os_error_number)
 from grpo_jax.errors import CheckpointError
-from grpo_jax.state.ledger import audit
 from grpo_jax.run.trainer import Trainer, pack_process_state, unpack_process_state
-
+from grpo_jax.state.checkpoint import (
+    CHECKSUM_KEY,
+    CORRUPT_DIR,
+    CheckpointConfig,
+    Checkpoints,
+    DamagedStep,
+    damage_in,
+    not_damage,
+    os_error_number,
+)
+from grpo_jax.state.ledger import audit
 from test_checkpoint import copy_of, params_of, saved_run, small_save, train_lines  # noqa: F401 - saved_run: fixture
 from test_trainer import FAST, REPO, read_ledger, tiny_config
 

@@ -99,8 +99,8 @@ def test_overrides_may_follow_options(capsys):
 
 def test_the_readme_init_model_command_works_with_the_shipped_config(tmp_path, capsys):
     """`grpo-jax init-model configs/tiny_cpu.yaml --out DIR`, the config unchanged (tokenizer: synthetic)."""
-    from grpo_jax.model.hf import load_hf_model
     from grpo_jax.data.tokenizer import load_tokenizer
+    from grpo_jax.model.hf import load_hf_model
 
     out = tmp_path / "m"
     assert main(["init-model", TINY, "--out", str(out)]) == 0, capsys.readouterr().err

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from grpo_jax import cli
 from grpo_jax.state.ledger import audit
-
 from test_hardening import TINY, grpo_log_reaches_caplog_and_capsys  # noqa: F401 (autouse fixture)
 from test_trainer import FAST
 

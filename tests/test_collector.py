@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from grpo_jax.data.collector import (
     RING_OVERRUN_REASON,
-    Accounting,
     AccountedTwiceError,
+    Accounting,
     Collector,
     CollectorStateError,
     DataOrderMismatch,
@@ -227,7 +227,9 @@ def test_handed_out_again_with_the_same_ordinals_and_positions():
     state = json_roundtrip(c.checkpoint_state([]))
     restored = Collector.restore(FakeIterator(10, 2, shuffle_seed=7), state)
     again = [p for _ in range(3) for p in restored.handout()]
-    assert [(p.ordinal, p.epoch, p.dataset_index) for p in again] == [(p.ordinal, p.epoch, p.dataset_index) for p in first]
+    assert [(p.ordinal, p.epoch, p.dataset_index) for p in again] == [
+        (p.ordinal, p.epoch, p.dataset_index) for p in first
+    ]
 
 
 def test_restore_with_a_different_shuffle_is_refused():
@@ -488,7 +490,9 @@ def test_every_ordinal_accounted_exactly_once_across_restarts(p, seed):
         saved = []
         restarts_left = p["restarts"]
         for _ in range(p["actions"]):
-            action = rng.choice(["fetch", "start", "start", "finish", "finish", "learn", "learn", "sync", "checkpoint", "crash"])
+            action = rng.choice(
+                ["fetch", "start", "start", "finish", "finish", "learn", "learn", "sync", "checkpoint", "crash"]
+            )
             if action == "fetch":
                 process.fetch()
             elif action == "start":
@@ -598,7 +602,9 @@ def run_threaded_process(run_dir, checkpoint=None, crash_after_steps=None, seed=
                 if g not in kept:
                     collector.mark_dropped(g.ordinal, "zero_variance")
             if kept:
-                collector.mark_trained([g.ordinal for g in kept], step=version + 1, weight_versions=[g.weight_version for g in kept])
+                collector.mark_trained(
+                    [g.ordinal for g in kept], step=version + 1, weight_versions=[g.weight_version for g in kept]
+                )
             version += 1
             if version % 3 == 0:  # checkpoint while the actor runs on
                 bstate = json_roundtrip(buffer.to_state())

@@ -12,19 +12,19 @@ import jax
 import pytest
 from flax import nnx
 
+from grpo_jax.cli import main
+from grpo_jax.config_io import load_config
+from grpo_jax.errors import CheckpointError, ConfigError
+from grpo_jax.model.hf import checkpoint_config, load_hf_model
+from grpo_jax.model.transformer import DTYPES, Transformer
 from grpo_jax.planning.actor_programs import engine_setup
 from grpo_jax.planning.compile import CompilerCrash, compile_run
 from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
 from grpo_jax.planning.report import DoesNotFit, format_report, model_flops_per_step
 from grpo_jax.planning.topology import tpu_topology
-from grpo_jax.run.plan import RunPlan, shard_bytes
-from grpo_jax.cli import main
-from grpo_jax.run.config import Config
-from grpo_jax.config_io import load_config
-from grpo_jax.errors import CheckpointError, ConfigError
-from grpo_jax.model.hf import checkpoint_config, load_hf_model
-from grpo_jax.model.transformer import DTYPES, Transformer
 from grpo_jax.rollout.weight_sync import WeightSync, narrowed
+from grpo_jax.run.config import Config
+from grpo_jax.run.plan import RunPlan, shard_bytes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")

@@ -5,8 +5,8 @@ import pathlib
 import pytest
 import yaml
 
-from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config, parse_override, save_config
+from grpo_jax.run.config import Config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

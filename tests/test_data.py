@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from grpo_jax.data import pipeline as data
 from grpo_jax.config_io import ConfigError, load_config
+from grpo_jax.data import pipeline as data
 from grpo_jax.data.pipeline import DataConfig, DataError, dataset_fingerprint, make_data_iterator
 from grpo_jax.data.tokenizer import Tokenizer
 
@@ -466,9 +466,20 @@ def test_plain_prompts_start_with_the_bos_in_training_evaluation_and_generate(tm
     r = next(make_data_iterator(dataclasses.replace(config, template=BOT + TEMPLATE), tok))
     assert list(r["prompt_ids"]).count(bos) == 1 and r["prompt_ids"][0] == bos
     # Evaluation encodes its held-out prompts the same way.
-    run_config = load_config(Config, pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml", [
-        "data.source=jsonl", f"data.path={tmp_path}", f"data.template={json.dumps(TEMPLATE)}", "data.prompt_field=question",
-        "data.max_prompt_len=512", "sampler.max_prompt_len=512", "eval.split=test", f"tokenizer={path}"])
+    run_config = load_config(
+        Config,
+        pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml",
+        [
+            "data.source=jsonl",
+            f"data.path={tmp_path}",
+            f"data.template={json.dumps(TEMPLATE)}",
+            "data.prompt_field=question",
+            "data.max_prompt_len=512",
+            "sampler.max_prompt_len=512",
+            "eval.split=test",
+            f"tokenizer={path}",
+        ],
+    )
     for r in held_out_records(run_config, tok):
         assert list(r["prompt_ids"]) == reference(r["prompt_text"])["input_ids"] and r["prompt_ids"][0] == bos
     # So does `grpo-jax generate` (its sampler replaced by one that records the prompts it is given).

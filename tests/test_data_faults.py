@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from grpo_jax.errors import CheckpointError
 from grpo_jax.data.tasks import make_synthetic_dataset
+from grpo_jax.errors import CheckpointError
 from grpo_jax.run.trainer import Trainer
-
 from test_trainer import assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 BIG_ROW = 2  # dataset index of the huge row
@@ -26,7 +25,9 @@ def test_a_huge_row_is_accounted_unread_and_an_edited_dataset_is_refused_on_resu
     drops = [line for line in read_ledger(run_dir) if line["event"] == "drop" and line["reason"] == "bad_row"]
     assert [(d["dataset_index"], d["reason"]) for d in drops] == [(BIG_ROW, "bad_row")]
     # data.max_prompt_len=16 (tiny_cpu.yaml): the default row limit is 1 MiB.
-    assert drops[0]["detail"] == f"row_too_large: {len(json.dumps(rows[BIG_ROW])) + 1} bytes > data.max_row_bytes=1048576"
+    assert (
+        drops[0]["detail"] == f"row_too_large: {len(json.dumps(rows[BIG_ROW])) + 1} bytes > data.max_row_bytes=1048576"
+    )
     assert_every_ordinal_accounted_once(run_dir)
 
     # Edit a middle row: same size, same first and last rows, same row count.
@@ -34,5 +35,7 @@ def test_a_huge_row_is_accounted_unread_and_an_edited_dataset_is_refused_on_resu
     old, new = json.dumps(rows[20]).encode(), json.dumps({**rows[20], "task": "ypoc"}).encode()
     path.write_bytes(content.replace(old, new, 1))
     assert path.stat().st_size == len(content) and path.read_bytes() != content
-    with pytest.raises(CheckpointError, match="another dataset, tokenizer, prompt format or shuffle.*allow_data_change"):
+    with pytest.raises(
+        CheckpointError, match="another dataset, tokenizer, prompt format or shuffle.*allow_data_change"
+    ):
         Trainer(tiny_config(run_dir, "trainer.max_steps=3", *overrides))

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from grpo_jax.parallel import distributed
 from grpo_jax.config_io import ConfigError
+from grpo_jax.parallel import distributed
 from grpo_jax.parallel.distributed import DistributedConfig, HostAgreement, initialize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -13,12 +13,12 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from grpo_jax.rollout.engine import Engine
 from grpo_jax.algorithm.learner import pack_batch, token_logprobs
 from grpo_jax.algorithm.losses import LossConfig, policy_loss
-from grpo_jax.state.replay_buffer import Group
+from grpo_jax.rollout.engine import Engine
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.run.trainer import group_rows
+from grpo_jax.state.replay_buffer import Group
 from test_sampler import PAD, VOCAB, _model, _prompts
 
 MAX_NEW = 12

@@ -10,15 +10,16 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from grpo_jax.cli import EXIT_USER_ERROR, main
-from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config
-from grpo_jax.errors import DataError
-from grpo_jax.run.evaluation import held_out_records, pass_at_k
-from grpo_jax.state.ledger import EVENT_KINDS, audit
-from grpo_jax.run.metrics import read_metrics
 from grpo_jax.data.tasks import make_synthetic_dataset
 from grpo_jax.data.tokenizer import load_tokenizer
+from grpo_jax.errors import DataError
+from grpo_jax.run.config import Config
+from grpo_jax.run.evaluation import held_out_records, pass_at_k
+from grpo_jax.run.metrics import read_metrics
+from grpo_jax.state.ledger import EVENT_KINDS, audit
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -29,12 +30,29 @@ STEPS, EVERY = 40, 10
 # The static sampler: the expected figures below come from its trajectory, and 40 steps at lr 3e-3 turn the
 # continuous engine's last-bit differences in behaviour log-probs into another one (it draws the same tokens;
 # tests/test_engine.py).
-SETTINGS = ["sampler.engine=static", "model.hidden_size=64", "model.intermediate_size=128", "grpo.group_size=8", "grpo.prompts_per_step=16",
-            "grpo.max_staleness=0", "sampler.max_new_tokens=6", "sampler.min_batch_bucket=64",
-            "optim.warmup_steps=0", "optim.decay_steps=0", "optim.lr=3e-3", "trainer.progress=false",
-            f"trainer.max_steps={STEPS}", "data.synthetic_min_digits=2", "data.synthetic_max_digits=2",
-            "data.synthetic_size=40", f"eval.every_steps={EVERY}", "eval.num_prompts=32", "eval.samples=4",
-            "eval.synthetic_size=200", "eval.correct_threshold=0.5"]
+SETTINGS = [
+    "sampler.engine=static",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "grpo.group_size=8",
+    "grpo.prompts_per_step=16",
+    "grpo.max_staleness=0",
+    "sampler.max_new_tokens=6",
+    "sampler.min_batch_bucket=64",
+    "optim.warmup_steps=0",
+    "optim.decay_steps=0",
+    "optim.lr=3e-3",
+    "trainer.progress=false",
+    f"trainer.max_steps={STEPS}",
+    "data.synthetic_min_digits=2",
+    "data.synthetic_max_digits=2",
+    "data.synthetic_size=40",
+    f"eval.every_steps={EVERY}",
+    "eval.num_prompts=32",
+    "eval.samples=4",
+    "eval.synthetic_size=200",
+    "eval.correct_threshold=0.5",
+]
 
 
 def brute_force_pass_at_k(correct: np.ndarray, k: int) -> float:
@@ -92,7 +110,7 @@ def trained_run(tmp_path_factory) -> pathlib.Path:
     """`grpo-jax train` with evaluation, on one CPU device: the replicated tiny model computed on the eight
     simulated devices of this test process would cost about twice the CPU time."""
     run_dir = tmp_path_factory.mktemp("eval_run")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-m", "grpo_jax.cli", "train", TINY, *SETTINGS, "--run-dir", str(run_dir)],
                    env=env, check=True, cwd=REPO)
     return run_dir
@@ -192,10 +210,10 @@ def test_a_trained_model_scores_higher_and_the_eval_command_reproduces_the_run(t
 def test_gsm8k_test_rows_through_the_eval_command_with_the_real_reward(gsm8k_dir, tmp_path, capsys):
     """The shipped GSM8K config on test.jsonl, a random tiny Qwen2 in place of the checkpoint: the pipeline,
     not the accuracy."""
-    from grpo_jax.model.hf import save_hf_model
-    from grpo_jax.model.transformer import ModelConfig, create_model
     from grpo_jax.algorithm.rewards import get_reward
     from grpo_jax.data.tokenizer import Tokenizer
+    from grpo_jax.model.hf import save_hf_model
+    from grpo_jax.model.transformer import ModelConfig, create_model
 
     model_dir = tmp_path / "tiny_qwen2"
     tiny = ModelConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

@@ -13,7 +13,6 @@ import pytest
 from grpo_jax import cli
 from grpo_jax.rollout.actor import Actor
 from grpo_jax.run.trainer import Trainer
-
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 # 6 new tokens in chunks of 2: every group decodes over 3 chunks, so groups are in flight when the data runs out.

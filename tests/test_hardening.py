@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 
 from grpo_jax import cli, errors
-from grpo_jax.state import run_lock
 from grpo_jax.data.pipeline import DataConfig, json_value, make_data_iterator
+from grpo_jax.data.tokenizer import load_tokenizer
+from grpo_jax.run.trainer import Trainer
+from grpo_jax.state import run_lock
 from grpo_jax.state.ledger import audit
 from grpo_jax.state.replay_buffer import Group, ReplayBuffer
 from grpo_jax.state.run_lock import RunDirLock, lock_file
-from grpo_jax.data.tokenizer import load_tokenizer
-from grpo_jax.run.trainer import Trainer
-
 from test_trainer import FAST, read_ledger, tiny_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -178,7 +177,7 @@ def write_odd_parquet(path: pathlib.Path, n: int = 12) -> pathlib.Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    when = datetime.datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=datetime.UTC)
     table = pa.table({
         "question": [f"copy: {i % 9 + 1}=" for i in range(n)],
         "answer": [str(i % 9 + 1) for i in range(n)],

@@ -17,12 +17,18 @@ import torch
 import transformers
 from flax import nnx
 
-from grpo_jax.errors import CheckpointError
-from grpo_jax.model.hf import (architecture_conflicts, checkpoint_config, hf_config_to_model_config, load_hf_model,
-                         model_config_to_hf_config, save_hf_model)
-from grpo_jax.model.transformer import ModelConfig, Transformer, param_dict, positions_from_mask
-from grpo_jax.model.safetensors_io import SafetensorsFile, load_file, save_file
 from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.errors import CheckpointError
+from grpo_jax.model.hf import (
+    architecture_conflicts,
+    checkpoint_config,
+    hf_config_to_model_config,
+    load_hf_model,
+    model_config_to_hf_config,
+    save_hf_model,
+)
+from grpo_jax.model.safetensors_io import SafetensorsFile, load_file, save_file
+from grpo_jax.model.transformer import ModelConfig, Transformer, param_dict, positions_from_mask
 
 torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
@@ -305,7 +311,9 @@ def test_llama_with_qkv_bias_exports_zero_o_bias(tmp_path):
     tensors = safetensors.numpy.load_file(file)
     tensors["model.layers.1.self_attn.o_proj.bias"][0] = 1.0
     safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.o_proj\.bias' is nonzero"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.o_proj\.bias' is nonzero"
+    ):
         load_hf_model(tmp_path)
 
 

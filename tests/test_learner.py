@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.algorithm.learner import (Learner, NonFiniteError, OptimConfig, TrainBatch, learning_rate_schedule,
-                              pack_batch, token_logprobs)
+from grpo_jax.algorithm.learner import (
+    Learner,
+    NonFiniteError,
+    OptimConfig,
+    TrainBatch,
+    learning_rate_schedule,
+    pack_batch,
+    token_logprobs,
+)
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model.transformer import ModelConfig, create_model
 
@@ -102,6 +109,7 @@ def test_remat_changes_memory_not_results():
     remat = Learner(create_model(dataclasses.replace(MODEL, remat=True), seed=5), optim, LossConfig())
     (m_plain, _), (m_remat, _) = plain.step(batch), remat.step(batch)
     assert m_plain["grad_norm"] > 1e-3
+    assert m_remat["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-6)
     assert max_param_diff(params_of(plain), params_of(remat)) < 1e-5 * m_plain["grad_norm"]
 
 
@@ -337,8 +345,8 @@ def test_failed_rows_train_nothing_like_padding(aggregation):
 
 
 def test_the_trainer_rows_carry_each_samples_validity():
-    from grpo_jax.state.replay_buffer import Group
     from grpo_jax.run.trainer import group_rows, row_validity
+    from grpo_jax.state.replay_buffer import Group
     groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([3, 4])}, completions=[np.array([5, 6])] * 3,
                     behaviour_logprobs=[np.array([-1.0, -1.0])] * 3, rewards=np.zeros(3, np.float32),
                     weight_version=0, extras={"advantages": np.zeros(3, np.float32), "valid": valid})
@@ -490,8 +498,8 @@ def test_token_and_sequence_counts_are_the_batchs_whatever_the_split():
 
 
 def test_greedy_sampling_is_refused_for_training():
-    from grpo_jax.run.config import Config
     from grpo_jax.config_io import ConfigError, build_config
+    from grpo_jax.run.config import Config
     with pytest.raises(ConfigError) as info:
         build_config(Config, {"tokenizer": "byte"}, ["sampler.temperature=0"])
     message = str(info.value)

@@ -15,7 +15,9 @@ def read(run_dir) -> list[dict]:
 
 
 def train(ledger: Ledger, step: int, ordinals: list[int], epoch: int = 0, version: int = 0) -> dict:
-    return ledger.train(step, ordinals, dataset_index=ordinals, epoch=[epoch] * len(ordinals), weight_version=[version] * len(ordinals))
+    return ledger.train(
+        step, ordinals, dataset_index=ordinals, epoch=[epoch] * len(ordinals), weight_version=[version] * len(ordinals)
+    )
 
 
 def test_lines_follow_the_format_and_are_flushed_one_by_one(tmp_path):
@@ -31,8 +33,23 @@ def test_lines_follow_the_format_and_are_flushed_one_by_one(tmp_path):
     ]
     assert lines[1] == {"run": 0, "seq": 1, "event": "train", "step": 1, "ordinals": [0, 1], "dataset_index": [7, 3],
                         "epoch": [0, 0], "weight_version": [0, 0]}
-    assert lines[2] == {"run": 0, "seq": 2, "event": "drop", "ordinal": 2, "dataset_index": 5, "epoch": 0, "reason": "reward_error"}
-    assert lines[3] == {"run": 0, "seq": 3, "event": "checkpoint", "step": 1, "frontier_ordinal": 3, "covers": {"run": 0, "seq": 2}}
+    assert lines[2] == {
+        "run": 0,
+        "seq": 2,
+        "event": "drop",
+        "ordinal": 2,
+        "dataset_index": 5,
+        "epoch": 0,
+        "reason": "reward_error",
+    }
+    assert lines[3] == {
+        "run": 0,
+        "seq": 3,
+        "event": "checkpoint",
+        "step": 1,
+        "frontier_ordinal": 3,
+        "covers": {"run": 0, "seq": 2},
+    }
     with pytest.raises(ValueError, match="reason"):
         ledger.drop(3, dataset_index=1, epoch=0, reason="Reward Error!")
     with pytest.raises(ValueError, match="length"):
@@ -45,7 +62,12 @@ def test_the_run_number_continues_from_the_file(tmp_path):
     second = Ledger(tmp_path, resumed_from={"step": 0, "run": 0, "seq": 0})
     assert second.run == 1
     second.close()
-    assert read(tmp_path)[-1] == {"run": 1, "seq": 0, "event": "run_start", "resumed_from": {"step": 0, "run": 0, "seq": 0}}
+    assert read(tmp_path)[-1] == {
+        "run": 1,
+        "seq": 0,
+        "event": "run_start",
+        "resumed_from": {"step": 0, "run": 0, "seq": 0},
+    }
     with pytest.raises(ValueError, match="taken"):
         Ledger(tmp_path, run=1)
     assert Ledger(tmp_path, run=5).run == 5
@@ -185,11 +207,13 @@ def test_unreadable_middle_lines_and_missing_files_are_errors(tmp_path):
 def test_per_process_ledgers_write_global_ordinals_and_the_audit_merges_them(tmp_path):
     # Two processes over a 6-row epoch: process P's k-th prompt is the stream's element 2k + P.
     ledgers = [Ledger(tmp_path, process_index=p, process_count=2) for p in range(2)]
-    assert [l.path.name for l in ledgers] == ["events.process0.jsonl", "events.process1.jsonl"]
+    assert [ledger.path.name for ledger in ledgers] == ["events.process0.jsonl", "events.process1.jsonl"]
     order = [4, 0, 5, 2, 1, 3]  # dataset index of stream element 0..5
     for p, ledger in enumerate(ledgers):
         local = [0, 1, 2]
-        ledger.train(1, local[:2], dataset_index=[order[2 * k + p] for k in local[:2]], epoch=[0, 0], weight_version=[0, 0])
+        ledger.train(
+            1, local[:2], dataset_index=[order[2 * k + p] for k in local[:2]], epoch=[0, 0], weight_version=[0, 0]
+        )
         ledger.drop(2, dataset_index=order[4 + p], epoch=0, reason="overlong")
         ledger.checkpoint(1, 3, ledger.covers())
         ledger.close()
@@ -198,7 +222,12 @@ def test_per_process_ledgers_write_global_ordinals_and_the_audit_merges_them(tmp
     assert lines[1]["ordinals"] == [1, 3] and lines[2]["ordinal"] == 5 and lines[3]["frontier_ordinal"] == 7
     report = audit(tmp_path)
     assert report.ok, report.summary()
-    assert (report.handed_out, report.trained, report.dropped_by_reason, report.frontier_ordinal) == (6, 4, {"overlong": 2}, 6)
+    assert (report.handed_out, report.trained, report.dropped_by_reason, report.frontier_ordinal) == (
+        6,
+        4,
+        {"overlong": 2},
+        6,
+    )
     assert "events.process0.jsonl: run 0" in report.summary()
 
     # Process 1 loses its ordinal 3: its own frontier claims it, no line has it.

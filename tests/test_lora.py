@@ -14,17 +14,24 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from grpo_jax.run.config import Config
+from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs
+from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.config_io import ConfigError, build_config, load_config
 from grpo_jax.errors import CheckpointError
 from grpo_jax.model.hf import load_hf_model, save_hf_model
-from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs
-from grpo_jax.model.lora import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, TARGETS, LoraConfig, init_adapters,
-                           merge_adapters, save_peft_adapter)
-from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.model.lora import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    TARGETS,
+    LoraConfig,
+    init_adapters,
+    merge_adapters,
+    save_peft_adapter,
+)
 from grpo_jax.model.transformer import ModelConfig, create_model, param_dict, positions_from_mask
-from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, state_shardings
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
+from grpo_jax.run.config import Config
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                     qkv_bias=True)
@@ -417,9 +424,15 @@ def test_compile_lays_out_adapters_on_a_frozen_base():
 
 def test_a_lora_step_with_chunked_logprobs_equals_the_unchunked_one():
     rng = np.random.default_rng(5)
-    batch = pack_batch([list(rng.integers(1, 64, 4)) for _ in range(4)], [list(rng.integers(1, 64, 5)) for _ in range(4)],
-                       [rng.normal(-3, 0.3, 5) for _ in range(4)], rng.normal(size=4), pad_id=0, prompt_len=6,
-                       completion_len=5)
+    batch = pack_batch(
+        [list(rng.integers(1, 64, 4)) for _ in range(4)],
+        [list(rng.integers(1, 64, 5)) for _ in range(4)],
+        [rng.normal(-3, 0.3, 5) for _ in range(4)],
+        rng.normal(size=4),
+        pad_id=0,
+        prompt_len=6,
+        completion_len=5,
+    )
     learners = [Learner(create_model(MODEL, seed=0), OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0, logprob_chunk=chunk),
                         LossConfig(kl_coef=0.01), adapters=init_adapters(MODEL, LORA, seed=0), temperature=0.7)
                 for chunk in (0, 2)]

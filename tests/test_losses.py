@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grpo_jax.algorithm.losses import LossConfig, aggregate, kl_per_token, policy_loss
 
@@ -109,7 +110,9 @@ def config_for(loss_type, agg, dual, off_policy, kl):
                       off_policy=off_policy, tis_cap=1.5)
 
 
-@pytest.mark.parametrize("seed,case", list(enumerate(MATRIX)), ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize(
+    "seed,case", list(enumerate(MATRIX)), ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x)
+)
 def test_loss_matches_numpy_reference(seed, case):
     cfg = config_for(*case)
     assert cfg.validate() == []
@@ -309,8 +312,8 @@ def test_validate():
 
 
 def config_warnings(*overrides):
-    from grpo_jax.run.config import Config
     from grpo_jax.config_io import build_config
+    from grpo_jax.run.config import Config
     return build_config(Config, {"tokenizer": "byte"}, list(overrides)).warnings()
 
 

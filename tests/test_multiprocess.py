@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from grpo_jax.parallel.distributed import EXIT_COLLECTIVE_TIMEOUT
 from test_distributed import read_until
 from test_trainer import FAST, REPO
@@ -37,7 +38,7 @@ def start_all(run_dir: pathlib.Path, processes: int, devices: int, actor_devices
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.update(GRPO_JAX_COORDINATOR_ADDRESS=f"localhost:{port}", GRPO_JAX_NUM_PROCESSES=str(processes),
                    GRPO_JAX_PROCESS_ID=str(index), JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                   XLA_FLAGS=xla_flags(devices))
         command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"),
                    "--run-dir", str(run_dir), *FAST, f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=1",
                    "checkpoint.every_steps=2", "trainer.tensorboard=false", f"mesh.actor_devices={actor_devices}",
@@ -115,7 +116,9 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
     procs = start_all(run_dir, processes, devices, actor_devices, overrides)
     assert exit_codes(procs, 600) == [0] * processes, (tmp_path / "process0.log").read_text()[-3000:]
 
-    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    audit = subprocess.run(
+        [sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True
+    )
     print(audit.stdout)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "lost:                 0" in audit.stdout and "trained twice:        0" in audit.stdout
@@ -163,7 +166,9 @@ def test_an_actor_across_hosts_accounts_for_every_prompt_when_the_data_runs_out(
                                          "data.synthetic_size=30", "trainer.max_steps=50"))
     assert exit_codes(procs, 300) == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
     assert "data exhausted after" in (tmp_path / "process0.log").read_text()
-    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    audit = subprocess.run(
+        [sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True
+    )
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "prompts handed out:   30" in audit.stdout and "lost:                 0" in audit.stdout
     assert "trained twice:        0" in audit.stdout and "run_ended" not in audit.stdout
@@ -193,7 +198,7 @@ with StopSignals() as signals:
 
 def test_an_agreement_with_a_live_but_stuck_peer_ends_after_the_collective_timeout(tmp_path):
     port, timeout_s = free_port(), 6
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one CPU device per process
     procs = [subprocess.Popen([sys.executable, "-c", LATE_PEER, str(p), str(port), str(timeout_s)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for p in (0, 1)]
     try:

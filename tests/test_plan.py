@@ -11,23 +11,43 @@ from grpo_jax.algorithm.learner import pack_batch
 from grpo_jax.planning.actor_programs import engine_setup
 from grpo_jax.run.plan import RunPlan
 from grpo_jax.run.trainer import Trainer
-
 from test_trainer import tiny_config
 
 CONFIGS = {
     # actor and learner share all 8 devices
     "shared": [],
     # 4 actor devices (fsdp 4), 4 learner devices (fsdp 2 x tensor 2), static sampler
-    "split": ["mesh.actor_devices=4", "mesh.learner.fsdp=2", "mesh.learner.tensor=2", "mesh.actor.fsdp=4",
-              "sampler.engine=static"],
+    "split": [
+        "mesh.actor_devices=4",
+        "mesh.learner.fsdp=2",
+        "mesh.learner.tensor=2",
+        "mesh.actor.fsdp=4",
+        "sampler.engine=static",
+    ],
     # LoRA with dropout (a dropout key) and a KL penalty (the frozen base is the reference); bfloat16 compute:
     # the actor keeps its copy narrowed
-    "lora": ["mesh.actor_devices=2", "mesh.actor.tensor=2", "mesh.learner.fsdp=2", "mesh.learner.tensor=3", "lora.rank=4",
-             "lora.dropout=0.1", "loss.kl_coef=0.01", "model.dtype=bfloat16"],
+    "lora": [
+        "mesh.actor_devices=2",
+        "mesh.actor.tensor=2",
+        "mesh.learner.fsdp=2",
+        "mesh.learner.tensor=3",
+        "lora.rank=4",
+        "lora.dropout=0.1",
+        "loss.kl_coef=0.01",
+        "model.dtype=bfloat16",
+    ],
     # a reference copy (KL without LoRA), mini-batches and micro-batches, top-k/top-p scoring
-    "reference": ["mesh.actor_devices=4", "mesh.actor.tensor=2", "mesh.actor.fsdp=2", "mesh.learner.fsdp=4",
-                  "loss.kl_coef=0.02", "optim.mini_batches=2", "optim.micro_batch_size=4", "sampler.top_k=8",
-                  "sampler.top_p=0.9"],
+    "reference": [
+        "mesh.actor_devices=4",
+        "mesh.actor.tensor=2",
+        "mesh.actor.fsdp=2",
+        "mesh.learner.fsdp=4",
+        "loss.kl_coef=0.02",
+        "optim.mini_batches=2",
+        "optim.micro_batch_size=4",
+        "sampler.top_k=8",
+        "sampler.top_p=0.9",
+    ],
 }
 
 

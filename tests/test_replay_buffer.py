@@ -313,7 +313,10 @@ def test_from_state_leaves_out_groups_that_no_longer_fit():
     for o in range(4):
         b.put(group(o))
     state = b.to_state()
-    fits = lambda g: "too long" if g.ordinal == 1 else None
+
+    def fits(g):
+        return "too long" if g.ordinal == 1 else None
+
     back = ReplayBuffer.from_state(state, capacity=2, fits=fits)
     assert back.ordinals() == [0, 2]
     assert back.left_out == [(1, "too long"), (3, "beyond the buffer's capacity of 2 groups")]
@@ -386,7 +389,9 @@ def test_state_as_pooled_arrays_round_trips_and_an_empty_buffer_still_saves_an_a
     for g in r.take(2, current_version=4).groups:
         want = array_group(g.ordinal)
         for field in ("completions", "behaviour_logprobs"):
-            assert [(x.dtype, x.tolist()) for x in getattr(g, field)] == [(x.dtype, x.tolist()) for x in getattr(want, field)]
+            assert [(x.dtype, x.tolist()) for x in getattr(g, field)] == [
+                (x.dtype, x.tolist()) for x in getattr(want, field)
+            ]
         assert g.rewards.dtype == np.float32 and g.rewards.tolist() == want.rewards.tolist()
         assert g.extras["valid"].dtype == bool and g.extras["valid"].tolist() == want.extras["valid"].tolist()
         assert g.prompt["prompt_ids"].tolist() == want.prompt["prompt_ids"].tolist()

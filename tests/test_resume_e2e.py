@@ -115,7 +115,9 @@ def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_t
     process = start(run_dir)
     assert process.wait(600) == 0, (tmp_path / "train.log").read_text()[-3000:]
 
-    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True)
+    audit = subprocess.run(
+        [sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True, text=True
+    )
     print(audit.stdout)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "lost:                 0" in audit.stdout and "trained twice:        0" in audit.stdout
@@ -147,5 +149,7 @@ def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_t
     in_ledger = {o for line in upto_covers if line["event"] == "train" for o in line["ordinals"]}
     in_ledger |= {line["ordinal"] for line in upto_covers if line["event"] == "drop"}
     assert in_ledger == accounted
-    assert saved["trained_count"] == len({o for line in upto_covers if line["event"] == "train" for o in line["ordinals"]})
+    assert saved["trained_count"] == len(
+        {o for line in upto_covers if line["event"] == "train" for o in line["ordinals"]}
+    )
     assert not list((run_dir / "checkpoints").glob("*orbax-checkpoint-tmp*"))  # the killed save never became a step

@@ -16,10 +16,10 @@ import pytest
 
 import grpo_jax
 from grpo_jax.algorithm import rewards as R
-from grpo_jax.rollout.actor import Actor, ActorLimits
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.data.collector import Prompt
 from grpo_jax.errors import ConfigError, TrainerError
+from grpo_jax.rollout.actor import Actor, ActorLimits
 from grpo_jax.run.metrics import MetricsWriter, read_metrics
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 

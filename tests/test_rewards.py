@@ -348,7 +348,9 @@ def test_samples_per_call_batches_and_fails_together(test_rewards):
     res = suite.score([{}] * 10, ["x" * i for i in range(10)])
     assert sorted(sizes) == [2, 4, 4] and res.rewards.tolist() == list(range(10))
     # A batched function that fails fails its whole call's samples, and only those.
-    res = R.RewardSuite([{"name": "boom_on", "samples_per_call": 2}], timeout_s=5).score([{}] * 4, ["a", "boom", "c", "d"])
+    res = R.RewardSuite([{"name": "boom_on", "samples_per_call": 2}], timeout_s=5).score(
+        [{}] * 4, ["a", "boom", "c", "d"]
+    )
     assert res.failed.tolist() == [True, True, False, False]
     assert res.errors == ["boom_on: raised RuntimeError: kaboom (2 of 4 samples)"]
     with pytest.raises(ValueError, match="samples_per_call=0"):

@@ -6,9 +6,8 @@ import threading
 
 from grpo_jax import cli
 from grpo_jax.data.collector import Collector
-from grpo_jax.state.ledger import Ledger, LedgerWriteError, audit
 from grpo_jax.errors import RunDirError
-
+from grpo_jax.state.ledger import Ledger, LedgerWriteError, audit
 from test_trainer import FAST, REPO
 
 

@@ -20,7 +20,6 @@ import pytest
 from grpo_jax import cli, errors
 from grpo_jax.state import run_lock
 from grpo_jax.state.run_lock import RunDirLock, lock_file
-
 from test_trainer import FAST
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -103,8 +102,15 @@ def stop_holder(holder: subprocess.Popen, how: str = "") -> None:
 
 
 def try_to_take(run_dir, prefix=(), env=None) -> str:
-    done = subprocess.run([*prefix, sys.executable, "-c", TAKER, str(run_dir)], capture_output=True, text=True, check=False,
-                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=60)
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", TAKER, str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -120,9 +126,13 @@ def plant(run_dir, holder: dict, age_s: float = 0.0) -> pathlib.Path:
 
 def this_machine(**fields) -> dict:
     """A lock record of a process of this boot and PID namespace."""
-    return {"host": socket.gethostname(), "boot_id": pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-            "pid_ns": os.readlink("/proc/self/ns/pid"),
-            "started": "2024-01-01T00:00:00", **fields}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+        "started": "2024-01-01T00:00:00",
+        **fields,
+    }
 
 
 def dead_pid() -> int:

@@ -10,8 +10,8 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from grpo_jax.model.transformer import ModelConfig, create_model
 from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.model.transformer import ModelConfig, create_model
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
 VOCAB = 300

@@ -59,7 +59,9 @@ def test_the_device_cut_chooses_one_actor_per_host_or_one_across_hosts_and_names
     across = cut_devices(hosts, 2, MeshConfig(fsdp=2, tensor=2))  # 4 devices: more than one host's 2
     assert across.actor_spans_hosts and across.actor == [*hosts[0, :2], *hosts[1, :2]]
     assert across.learner == [*hosts[0, 2:], *hosts[1, 2:]]
-    with pytest.raises(ValueError, match=r"mesh.actor_devices=4: leaves no device for the learner \(4 devices per host"):
+    with pytest.raises(
+        ValueError, match=r"mesh.actor_devices=4: leaves no device for the learner \(4 devices per host"
+    ):
         cut_devices(hosts, 4, MeshConfig())
     with pytest.raises(ValueError, match="needs devices of its own, so set mesh.actor_devices > 0"):
         cut_devices(hosts, 0, MeshConfig(fsdp=8))

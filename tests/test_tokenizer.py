@@ -7,12 +7,12 @@ import json
 import pytest
 import tokenizers
 import transformers
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from grpo_jax.errors import CheckpointError
 from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.errors import CheckpointError
 
 transformers.logging.set_verbosity_error()
 

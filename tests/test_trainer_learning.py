@@ -3,16 +3,15 @@ mini-batches run, and a non-finite update trains nothing (its prompts are droppe
 row end the run with one line and no new checkpoint)."""
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.cli import main
 from grpo_jax.algorithm.learner import NonFiniteError, token_logprobs
+from grpo_jax.cli import main
 from grpo_jax.run.trainer import Trainer
-from test_trainer import REPO, FAST, assert_every_ordinal_accounted_once, read_ledger, tiny_config
+from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 
 def capture_first_batch(trainer, temperatures):

@@ -5,9 +5,8 @@ import json
 import logging
 import time
 
-from grpo_jax.state.ledger import audit
 from grpo_jax.run.trainer import Trainer
-
+from grpo_jax.state.ledger import audit
 from test_checkpoint import preempt_after
 from test_trainer import assert_every_ordinal_accounted_once, read_ledger, tiny_config
 

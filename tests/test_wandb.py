@@ -13,11 +13,11 @@ import pytest
 
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import ConfigError, config_to_dict
-from grpo_jax.state.ledger import audit
 from grpo_jax.run.metrics import read_metrics
-from grpo_jax.state.run_lock import lock_file
 from grpo_jax.run.trainer import Trainer
 from grpo_jax.run.wandb_logger import RUN_ID_FILE, ledger_numbers
+from grpo_jax.state.ledger import audit
+from grpo_jax.state.run_lock import lock_file
 from test_trainer import FAST, REPO, tiny_config
 
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")

@@ -13,14 +13,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 from grpo_jax.cli import main
-from grpo_jax.run.config import Config
 from grpo_jax.config_io import ConfigError, load_config
-from grpo_jax.model.hf import load_hf_model, save_hf_model
-from grpo_jax.run.metrics import read_metrics
-from grpo_jax.model.transformer import create_model, param_dict
-from grpo_jax.model.safetensors_io import SafetensorsFile
 from grpo_jax.data.tasks import SYNTHETIC_ALPHABET
 from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.model.hf import load_hf_model, save_hf_model
+from grpo_jax.model.safetensors_io import SafetensorsFile
+from grpo_jax.model.transformer import create_model, param_dict
+from grpo_jax.run.config import Config
+from grpo_jax.run.metrics import read_metrics
 from grpo_jax.run.trainer import load_policy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

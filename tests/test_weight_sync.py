@@ -12,8 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.model.transformer import ModelConfig, create_model
-from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module, state_shardings
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.rollout.weight_sync import WeightSync, host_copy_mesh, reshard_local
 
 # Dimensions that divide over 4 and 8 devices (so "split over every device" is checkable), plus a qkv bias
@@ -120,8 +120,16 @@ def test_cast_to_the_compute_dtype_is_exact_and_halves_the_bytes():
     assert {x.dtype for x in jax.tree.leaves(out)} == {jnp.dtype(jnp.bfloat16)}
 
 
-@pytest.mark.parametrize("learner", [MeshConfig(fsdp=8), MeshConfig(fsdp=4, tensor=2), MeshConfig(data=2, fsdp=2, tensor=2),
-                                     MeshConfig(fsdp=2, tensor=4), MeshConfig(data=2, fsdp=4)])
+@pytest.mark.parametrize(
+    "learner",
+    [
+        MeshConfig(fsdp=8),
+        MeshConfig(fsdp=4, tensor=2),
+        MeshConfig(data=2, fsdp=2, tensor=2),
+        MeshConfig(fsdp=2, tensor=4),
+        MeshConfig(data=2, fsdp=4),
+    ],
+)
 def test_several_hosts_each_get_a_whole_copy_spread_over_their_own_devices(learner):
     # 8 learner devices taken as 2 hosts of 4 (process-major, as make_mesh orders them across processes).
     hosts, local = 2, 4
@@ -268,9 +276,8 @@ def test_sampling_with_the_cast_weights_is_bit_identical():
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_trainer_actor_keeps_the_compute_dtype_copy(tmp_path, lora):
-    from test_trainer import tiny_config
-
     from grpo_jax.run.trainer import Trainer
+    from test_trainer import tiny_config
 
     overrides = ["model.dtype=bfloat16", "model.param_dtype=float32", "trainer.max_steps=2", "mesh.actor_devices=4",
                  "mesh.actor.fsdp=1", "mesh.actor.tensor=4", "mesh.learner.fsdp=4", "sampler.engine=static",
