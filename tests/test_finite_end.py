@@ -14,6 +14,7 @@ from grpo_jax import cli
 from grpo_jax.rollout.actor import Actor
 from grpo_jax.run.trainer import Trainer
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
+from test_trainer_regenerate import force_staleness_once_at_the_end
 
 # 6 new tokens in chunks of 2: every group decodes over 3 chunks, so groups are in flight when the data runs out.
 FINITE = ["data.synthetic_size=10", "trainer.max_steps=100", "sampler.chunk_steps=2", "checkpoint.every_steps=1",
@@ -123,22 +124,7 @@ def test_groups_grown_too_stale_after_the_data_ran_out_are_generated_again_with_
     at_end = watch_the_end_of_the_data(monkeypatch)
     config = tiny_config(tmp_path, *FINITE, "data.num_epochs=2", "grpo.max_staleness=1")
     trainer = Trainer(config)
-    take, forced = trainer.buffer.take, []
-
-    def take_forcing_staleness_once(n, version, timeout=None):
-        # Once the actor has seen the end of the data, the groups waiting then are found too stale.
-        if not (trainer.collector.exhausted and not forced):
-            return take(n, version, timeout=timeout)
-        trainer.buffer.max_staleness = -1
-        try:
-            taken = take(n, version, timeout=timeout)
-        finally:
-            trainer.buffer.max_staleness = 1
-        if taken.too_stale:
-            forced.append([g.ordinal for g in taken.too_stale])
-        return taken
-
-    trainer.buffer.take = take_forcing_staleness_once
+    forced = force_staleness_once_at_the_end(trainer)
     history = trainer.train()
     assert trainer.actor.error is None and history
     assert at_end and at_end[0] > 0, f"no group was in flight when the data ran out ({at_end})"

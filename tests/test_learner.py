@@ -20,6 +20,7 @@ from grpo_jax.algorithm.learner import (
 )
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model.transformer import ModelConfig, create_model
+from test_sampler import _filtered_logprobs  # the sampler's numpy reference: one truth for both
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2)
@@ -362,31 +363,12 @@ def test_the_trainer_rows_carry_each_samples_validity():
 # ---- the learner's policy is the sampler's truncated distribution (item 16) -------------------------------
 
 
-def numpy_truncated_logprobs(logits, temperature, top_k, top_p):
-    """[V] log-probs after temperature, then top-k, then top-p on the renormalised top-k mass (sorted; keep
-    while the mass before a token is < top_p), renormalised (as test_sampler's reference)."""
-    x = logits.astype(np.float64) / temperature
-    if top_k:
-        x = np.where(x >= np.sort(x)[-top_k], x, -np.inf)
-    p = np.exp(x - x.max())
-    p /= p.sum()
-    if top_p < 1:
-        order = np.argsort(-p)
-        before = np.cumsum(p[order]) - p[order]
-        keep = np.zeros_like(p, bool)
-        keep[order[before < top_p]] = True
-        p = np.where(keep, p, 0)
-        p /= p.sum()
-    with np.errstate(divide="ignore"):
-        return np.log(p)
-
-
 @pytest.mark.parametrize("top_k, top_p, temperature", [(0, 0.9, 1.0), (5, 1.0, 0.7), (8, 0.6, 1.3), (0, 1.0, 0.8)])
 def test_tempered_logprobs_truncate_like_the_sampler(top_k, top_p, temperature):
     from grpo_jax.algorithm.sampling import tempered_logprobs
     rng = np.random.default_rng(top_k + int(10 * top_p))
     logits = rng.normal(0, 3.0, (6, 40)).astype(np.float32)
-    expected = np.stack([numpy_truncated_logprobs(row, temperature, top_k, top_p) for row in logits])
+    expected = np.stack([_filtered_logprobs(row, temperature, top_k, top_p) for row in logits])
     kept = np.isfinite(expected)
     # Targets: a kept token in each row but the last, whose target is one the truncation drops (when it drops
     # any): it counts as kept, so its log-prob stays finite (weights or logits that moved since sampling).

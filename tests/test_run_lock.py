@@ -20,6 +20,7 @@ import pytest
 from grpo_jax import cli, errors
 from grpo_jax.state import run_lock
 from grpo_jax.state.run_lock import RunDirLock, lock_file
+from test_hardening import grpo_log_reaches_caplog_and_capsys  # noqa: F401 (autouse fixture)
 from test_trainer import FAST
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -60,19 +61,6 @@ except RunDirError as e:
 """
 
 IN_NEW_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
-
-
-@pytest.fixture(autouse=True)
-def grpo_log_reaches_caplog_and_capsys():
-    """As in test_hardening.py: `grpo-jax train` gives the grpo_jax logger its own stderr handler and stops
-    propagation; start each test without one, and put things back after."""
-    log = logging.getLogger("grpo_jax")
-    saved = list(log.handlers), log.propagate, log.level
-    log.handlers.clear()
-    log.propagate = True
-    yield
-    log.handlers[:] = saved[0]
-    log.propagate, log.level = saved[1], saved[2]
 
 
 def unshare_works() -> bool:

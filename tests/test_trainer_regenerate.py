@@ -11,6 +11,28 @@ from test_checkpoint import preempt_after
 from test_trainer import assert_every_ordinal_accounted_once, read_ledger, tiny_config
 
 
+def force_staleness_once_at_the_end(trainer: Trainer) -> list[list[int]]:
+    """Makes the buffer find the groups waiting too stale once, the first time the learner takes groups after
+    the actor has seen the end of the data (max_staleness 1 then -1 for that take). Returns the list that
+    receives the ordinals found too stale."""
+    take, forced = trainer.buffer.take, []
+
+    def take_forcing_staleness_once(n, version, timeout=None):
+        if not (trainer.collector.exhausted and not forced):
+            return take(n, version, timeout=timeout)
+        trainer.buffer.max_staleness = -1
+        try:
+            taken = take(n, version, timeout=timeout)
+        finally:
+            trainer.buffer.max_staleness = 1
+        if taken.too_stale:
+            forced.append([g.ordinal for g in taken.too_stale])
+        return taken
+
+    trainer.buffer.take = take_forcing_staleness_once
+    return forced
+
+
 def test_resume_after_lowering_limits_and_capacity_generates_misfits_again(tmp_path, monkeypatch, caplog):
     overrides = ["grpo.max_staleness=2", "checkpoint.every_steps=0", "trainer.tensorboard=false"]
     learn = Trainer._learn
@@ -53,22 +75,7 @@ def test_a_group_grown_too_stale_after_the_data_ran_out_is_generated_again(tmp_p
     config = tiny_config(tmp_path, "data.num_epochs=1", "data.synthetic_size=22", "trainer.max_steps=50",
                          "grpo.max_staleness=1", "trainer.tensorboard=false")
     trainer = Trainer(config)
-    take, forced = trainer.buffer.take, []
-
-    def take_forcing_staleness_once(n, version, timeout=None):
-        # Once the actor has seen the end of the data, the first waiting groups are found too stale.
-        if not (trainer.collector.exhausted and not forced):
-            return take(n, version, timeout=timeout)
-        trainer.buffer.max_staleness = -1
-        try:
-            taken = take(n, version, timeout=timeout)
-        finally:
-            trainer.buffer.max_staleness = 1
-        if taken.too_stale:
-            forced.append([g.ordinal for g in taken.too_stale])
-        return taken
-
-    trainer.buffer.take = take_forcing_staleness_once
+    forced = force_staleness_once_at_the_end(trainer)
     trainer.train()
     assert forced, "the data never ran out with groups waiting"
     trained, dropped = assert_every_ordinal_accounted_once(tmp_path)
