@@ -71,8 +71,9 @@ def test_every_layout_uses_exactly_the_slices_devices_and_splits_evenly(case):
         assert math.prod(layout.actor) == (layout.actor_devices or per_host)
         assert math.prod(layout.learner) == (per_host - layout.actor_devices) * hosts
         data, fsdp, tensor = layout.learner
-        assert layout.actor[0] == 1 and model.num_heads % layout.actor[2] == 0
-        assert model.num_heads % tensor == 0 and (per_host - layout.actor_devices) % tensor == 0
+        for t in (layout.actor[2], tensor):  # splits the heads and the MLP
+            assert model.num_heads % t == 0 and model.intermediate_size % t == 0
+        assert layout.actor[0] == 1 and (per_host - layout.actor_devices) % tensor == 0
         assert (data * fsdp) % hosts == 0 and (rows // hosts) % (data * fsdp // hosts) == 0
         assert mini_rows % layout.micro_batch_size == 0 and layout.micro_batch_size % (data * fsdp) == 0
         if config.sampler.engine == "continuous":
@@ -136,14 +137,21 @@ def test_search_order_puts_the_layouts_estimated_to_fit_first_fastest_first():
     shape = SliceShape(1, 8, V5E.hbm_bytes, V5E.peak_flops, V5E.hbm_bandwidth)
     count = parameter_count(model)
     order = search_order(layouts, [estimate(config, model, count, x, shape) for x in layouts])
-    assert len(order) == len(layouts)
-    fitting = [e for _, e in order if e.fits]
-    rest = [e for _, e in order if not e.fits]
+    assert sorted(map(id, (x for x, _ in order))) == sorted(map(id, layouts))
+    fitting = [(x, e) for x, e in order if e.fits]
+    rest = [(x, e) for x, e in order if not e.fits]
     assert fitting and rest
     assert [e.fits for _, e in order] == [True] * len(fitting) + [False] * len(rest)
-    assert [e.seconds for e in fitting] == sorted(e.seconds for e in fitting)
-    assert [e.peak_bytes for e in rest] == sorted(e.peak_bytes for e in rest)
-    assert all(e.peak_bytes <= shape.hbm_bytes for e in fitting)
+    assert all(e.peak_bytes <= shape.hbm_bytes for _, e in fitting)
+    for group, figure in ((fitting, lambda e: e.seconds), (rest, lambda e: e.peak_bytes)):
+        meshes = {(x.actor_devices, x.actor, x.learner): [] for x, _ in group}
+        for x, e in group:
+            meshes[(x.actor_devices, x.actor, x.learner)].append(figure(e))
+        # Each device layout's own layouts in the estimate's order; the meshes take turns, the best first.
+        assert all(values == sorted(values) for values in meshes.values())
+        firsts = [values[0] for values in meshes.values()]
+        assert firsts == sorted(firsts)
+        assert len({(x.actor_devices, x.actor, x.learner) for x, _ in group[:len(meshes)]}) == len(meshes) > 1
 
 
 def test_the_estimate_moves_the_way_the_settings_do():

@@ -6,14 +6,14 @@ tensor, optim.micro_batch_size, sampler.slots (the continuous engine) and model.
 
 1. enumerate_layouts (pure: integers in, no devices, no compiling) lists every combination of a bounded set
    of values per setting that can be laid out at all: the device counts divide, every host keeps a learner
-   device, the tensor axis divides the attention heads and stays on one host, the batch and each micro-batch
-   split evenly over the learner's data x fsdp (sharding.rows_split_problem), the engine's slots divide a
-   host's samples (or are the config's). Settings the user sets on the command line are held at their value.
+   device, the tensor axis divides the attention heads and the MLP and stays on one host, the batch and each
+   micro-batch split evenly over the learner's data x fsdp (sharding.rows_split_problem), the engine's slots
+   divide a host's samples (or are the config's). Settings the user sets on the command line are held.
 2. estimate (pure) gives each a rough per-device memory (parameters, gradients and AdamW moments split over
    fsdp x tensor, saved activations of one micro-batch, the actor's two copies of the weights and its KV
    cache) and a rough roofline step time; search_order puts the layouts estimated to fit first, fastest
-   first, then the others, smallest first. The estimate only orders the compiles: the verdicts and the
-   ranking come from the compiled programs.
+   first, then the others, smallest first, the device layouts taking turns in each group. The estimate only
+   orders the compiles: the verdicts and the ranking come from the compiled programs.
 3. fit compiles up to `limit` of them in that order with the compile command's own path
    (compile.compile_run, each in its own compiling child), after the config loader and the run description
    (RunPlan.build) have accepted the layout, and ranks those that fit by the projected step time.
@@ -36,12 +36,17 @@ import jax
 import numpy as np
 from flax import nnx
 
+from grpo_jax.config_io import load_config
 from grpo_jax.errors import UserError
 from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
 from grpo_jax.parallel.sharding import rows_split_problem
+from grpo_jax.planning.compile import compile_run
 from grpo_jax.planning.programs import refusal_excess
+from grpo_jax.planning.report import Report
+from grpo_jax.planning.topology import Topology, tpu_topology
 from grpo_jax.planning.units import size_text, time_text
 from grpo_jax.run.config import Config
+from grpo_jax.run.plan import RunPlan, run_model_config
 
 DEFAULT_LIMIT = 12  # compiles per --fit run: each costs seconds (tiny models) to tens of minutes (70B) on a CPU
 
@@ -95,7 +100,7 @@ class SliceShape:
     hbm_bandwidth: float
 
     @classmethod
-    def of(cls, topology) -> SliceShape:
+    def of(cls, topology: Topology) -> SliceShape:
         return cls(topology.processes, len(topology.devices) // topology.processes, topology.hbm_bytes,
                    topology.peak_flops, topology.hbm_bandwidth)
 
@@ -131,8 +136,13 @@ def enumerate_layouts(config: Config, model: ModelConfig, hosts: int, devices_pe
         return []  # RunPlan.build / Config.validate refuse every layout, with their own messages
     host_rows = rows // hosts
     mini_rows = rows // optim.mini_batches
-    heads = model.num_heads
     engine = config.sampler.engine == "continuous"
+
+    def splits_model(tensor: int) -> bool:
+        """A tensor axis that splits the attention heads and the MLP: one that does not leaves those weights
+        whole on every device of the axis (sharding.spec_for replicates them), tensor-way duplicated work. The
+        KV heads may stay whole (a model with fewer KV heads than the axis: the known trade-off)."""
+        return model.num_heads % tensor == 0 and model.intermediate_size % tensor == 0
 
     def held(key: str, values: list) -> list:
         """The config's value for a pinned setting (when it is one of `values`), else `values`."""
@@ -156,13 +166,13 @@ def enumerate_layouts(config: Config, model: ModelConfig, hosts: int, devices_pe
         actor_count = actor_devices or devices_per_host
         learner_per_host = devices_per_host - actor_devices
         learner_count = learner_per_host * hosts
-        actor_meshes = [(1, actor_count // t, t) for t in divisors(actor_count) if heads % t == 0]
+        actor_meshes = [(1, actor_count // t, t) for t in divisors(actor_count) if splits_model(t)]
         actor_meshes = [m for m in actor_meshes if m[0] in held("mesh.actor.data", [m[0]])
                         and m[1] in held("mesh.actor.fsdp", [m[1]]) and m[2] in held("mesh.actor.tensor", [m[2]])]
         learner_meshes = []
-        # The tensor axis stays on one host (sharding.make_mesh) and splits the heads; data x fsdp takes the rest.
+        # The tensor axis stays on one host (sharding.make_mesh); data x fsdp takes the rest.
         for tensor in divisors(learner_per_host):
-            if heads % tensor:
+            if not splits_model(tensor):
                 continue
             for data in divisors(learner_count // tensor):
                 learner_meshes.append((data, learner_count // tensor // data, tensor))
@@ -269,16 +279,35 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
 
 
 def search_order(layouts: list[Layout], estimates: list[Estimate]) -> list[tuple[Layout, Estimate]]:
-    """The layouts estimated to fit first, fastest first; then the others, smallest first."""
+    """The layouts estimated to fit first, fastest first; then the others, smallest first. Within each group the
+    device layouts (the split and both meshes) take turns, each with its own layouts in that order: a small
+    limit then compiles several meshes, each with its best-estimated micro-batch, slots and remat, rather than
+    the variations of one mesh, which the rough estimate often cannot tell apart."""
     pairs = list(zip(layouts, estimates))
-    return sorted(pairs, key=lambda p: (not p[1].fits, p[1].seconds if p[1].fits else p[1].peak_bytes))
+    fitting = sorted((p for p in pairs if p[1].fits), key=lambda p: p[1].seconds)
+    others = sorted((p for p in pairs if not p[1].fits), key=lambda p: p[1].peak_bytes)
+    return mesh_turns(fitting) + mesh_turns(others)
+
+
+def device_layout(layout: Layout) -> tuple:
+    return layout.actor_devices, layout.actor, layout.learner
+
+
+def mesh_turns(pairs: list[tuple[Layout, Estimate]]) -> list[tuple[Layout, Estimate]]:
+    """`pairs` reordered so that each device layout's first comes first (in the order of `pairs`), then each
+    one's second, and so on."""
+    by_mesh: dict[tuple, list] = {}
+    for pair in pairs:
+        by_mesh.setdefault(device_layout(pair[0]), []).append(pair)
+    turns = itertools.zip_longest(*by_mesh.values())
+    return [pair for turn in turns for pair in turn if pair is not None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
     layout: Layout
     estimate: Estimate
-    report: object | None  # the compile report (report.Report), None when it did not compile
+    report: Report | None  # None when it did not compile
     reason: str  # why it does not fit or was not compiled; "" when it fits
     seconds: float  # compile wall time
 
@@ -299,7 +328,7 @@ def parameter_count(model: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract)))
 
 
-def does_not_fit_reason(report) -> str:
+def does_not_fit_reason(report: Report) -> str:
     """'' when every program fits; else each program over, in a few words."""
     hbm = report.topology.hbm_bytes
     over = []
@@ -329,11 +358,6 @@ def fit(config_path: str, overrides: list[str], topology_name: str, chips_per_ho
     layout's overrides after them, loaded by the config loader as `grpo-jax compile` loads it. A layout the
     loader or the run description refuses is skipped (no compile); one that fails to compile or does not fit
     is kept with its one-line reason. `progress` gets one line per compile."""
-    from grpo_jax.config_io import load_config
-    from grpo_jax.planning.compile import compile_run
-    from grpo_jax.planning.topology import tpu_topology
-    from grpo_jax.run.plan import RunPlan, run_model_config
-
     config = load_config(Config, config_path, overrides)
     topology = tpu_topology(topology_name, chips_per_host)
     shape = SliceShape.of(topology)
@@ -341,8 +365,8 @@ def fit(config_path: str, overrides: list[str], topology_name: str, chips_per_ho
     param_count = parameter_count(model)
     layouts = enumerate_layouts(config, model, shape.hosts, shape.devices_per_host, pinned_keys(overrides))
     order = search_order(layouts, [estimate(config, model, param_count, x, shape) for x in layouts])
-    progress(f"{len(layouts)} layouts can be laid out on {topology_name}; compiling up to {limit}, those estimated "
-             "to fit first, fastest first")
+    progress(f"{len(layouts)} layouts can be laid out on {topology_name}; compiling up to {limit}: those estimated "
+             "to fit first, fastest first, the device layouts taking turns")
     attempts = []
     planned = min(limit, len(order))
     for layout, guess in order:
