@@ -386,7 +386,9 @@ def fit(config_path: str, overrides: list[str], topology_name: str, chips_per_ho
             report, reason = None, f"did not compile: {one_line(e)}"
         attempt = Attempt(layout, guess, report, reason, time.perf_counter() - start)
         attempts.append(attempt)
-        if reason:
+        if report is None:
+            verdict = reason  # did not compile: ...
+        elif reason:
             verdict = f"does not fit: {reason}"
         elif report.step is None:
             verdict = "fits, no time estimate"
