@@ -243,10 +243,16 @@ def cmd_audit(args) -> int:
 
 def cmd_compile(args) -> None:
     """Compile every program of a run for a TPU topology (no TPU needed) and report memory and time; exits
-    with DoesNotFit's code when a program does not fit."""
+    with DoesNotFit's code when a program does not fit. With --fit, search layouts instead (planning.fit)."""
     import os
+    if args.fit_limit is not None and not args.fit:
+        raise UsageError(f"--fit-limit {args.fit_limit}: only with --fit (it bounds the layouts --fit compiles)")
+    if args.fit_limit is not None and args.fit_limit < 1:
+        raise UsageError(f"--fit-limit {args.fit_limit}: must be at least 1 (layouts compiled)")
     # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.fit:
+        return compile_fit(args)
     from grpo_jax.config_io import load_config
     from grpo_jax.planning.compile import compile_run
     from grpo_jax.planning.report import check_fits, format_report
@@ -256,6 +262,19 @@ def cmd_compile(args) -> None:
     report = compile_run(config, args.topology, args.chips_per_host, config_path=args.config)
     print(format_report(report), flush=True)
     check_fits(report)
+
+
+def compile_fit(args) -> None:
+    """grpo-jax compile --fit: one line per layout compiled, then those that fit, fastest first, each with its
+    overrides; NothingFits (exit 2) when none does."""
+    from grpo_jax.planning.fit import DEFAULT_LIMIT, NothingFits, fit, format_fit, nothing_fits_message
+
+    limit = args.fit_limit or DEFAULT_LIMIT
+    search = fit(args.config, args.overrides, args.topology, args.chips_per_host, limit,
+                 progress=lambda line: print(line, flush=True))
+    if not any(attempt.fits for attempt in search.attempts):
+        raise NothingFits(nothing_fits_message(search, args.topology))
+    print(format_fit(search.attempts, args.topology), flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--topology", required=True, help="a TPU slice: v5e:2x4, v5p:2x2x2, v4:2x2x4, v6e:2x4, ...")
     comp.add_argument("--chips-per-host", default="", help="e.g. 2x2 (default: libtpu's 4 chips per host, except "
                       "v5e/v6e slices of up to 8 chips, which are one host)")
+    comp.add_argument("--fit", action="store_true", help="search layouts (device split, meshes, micro-batch, "
+                      "engine slots, remat) and list those that fit, fastest first, with their overrides; settings "
+                      "given as overrides are held fixed")
+    comp.add_argument("--fit-limit", type=int, default=None, metavar="N",
+                      help="with --fit: compile at most N layouts (default 12), those estimated to fit first")
     comp.set_defaults(func=cmd_compile)
     return parser
 

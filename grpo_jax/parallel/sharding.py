@@ -177,7 +177,12 @@ def batch_split_problem(mesh: Mesh, processes: int, rows: int, process: str = "p
     """Why a batch cannot be laid out over `mesh` with batch_sharding, or None when it can. Each of the
     `processes` feeds its own `rows` (prompts_per_step / processes x group_size), split over data x fsdp in
     process order. `process` is the word for one in the message ("process", or "host" for grpo-jax compile)."""
-    splits = mesh.shape["data"] * mesh.shape["fsdp"]
+    return rows_split_problem(mesh.shape["data"] * mesh.shape["fsdp"], processes, rows, process)
+
+
+def rows_split_problem(splits: int, processes: int, rows: int, process: str = "process") -> str | None:
+    """batch_split_problem for a mesh whose data x fsdp is `splits`, without the mesh (grpo-jax compile --fit
+    prunes layouts with it before any device is involved)."""
     if splits % processes == 0 and rows % (splits // processes) == 0:
         return None
     plural = process + ("es" if process.endswith("s") else "s")
