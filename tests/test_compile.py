@@ -368,8 +368,8 @@ def test_the_compile_shows_each_program_as_it_starts_and_ends(engine_two_hosts_r
     units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
     peaks = [float(m.group(5)) * units[m.group(6)] for m in lines]
     assert peaks[0] > 100 * 2 ** 20 and peaks == sorted(peaks)  # a process with JAX and libtpu: its high-water mark
-    assert {"learner step", "engine chunk (16 slots)", "engine admission", "weight sync stage (group 1 of 4)"} <= \
-        set(labels), labels
+    assert {"learner step", "engine chunk (16 slots)", "engine admission"} <= set(labels), labels
+    assert any(label.startswith("weight sync stage (group 1 of ") for label in labels), labels
     for program in report.programs:
         own = [float(m.group(4)) for m in lines[1::2] if m.group(2).startswith(program.name)]
         assert own and program.compile_seconds == pytest.approx(sum(own), abs=0.05 * len(own) + 0.01), program.name
