@@ -4,9 +4,11 @@ continuous engine (the default) are each compiled once on one host and once on t
 compile in this process, except the engine's two-host one, which goes through the compiling child process
 as the command does."""
 
+import io
 import json
 import math
 import pathlib
+import re
 
 import jax
 import pytest
@@ -18,7 +20,7 @@ from grpo_jax.errors import CheckpointError, ConfigError
 from grpo_jax.model.hf import checkpoint_config, load_hf_model
 from grpo_jax.model.transformer import DTYPES, Transformer
 from grpo_jax.planning.actor_programs import engine_setup
-from grpo_jax.planning.compile import CompilerCrash, compile_run
+from grpo_jax.planning.compile import PROGRESS_PREFIX, CompilerCrash, compile_run
 from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
 from grpo_jax.planning.report import DoesNotFit, format_report, model_flops_per_step
 from grpo_jax.planning.topology import tpu_topology
@@ -80,8 +82,16 @@ EVAL = ["eval.every_steps=5", "eval.num_prompts=6", "eval.samples=3", "eval.max_
 
 
 @pytest.fixture(scope="module")
-def engine_two_hosts():
-    return compile_run(tiny_engine(*TWO_HOSTS), "v5p:2x2x2")  # in the compiling child, as the command does
+def engine_two_hosts_run():
+    """In the compiling child, as the command does: the report and the progress lines printed meanwhile."""
+    progress = io.StringIO()
+    report = compile_run(tiny_engine(*TWO_HOSTS), "v5p:2x2x2", progress=progress)
+    return report, progress.getvalue()
+
+
+@pytest.fixture(scope="module")
+def engine_two_hosts(engine_two_hosts_run):
+    return engine_two_hosts_run[0]
 
 
 def param_bytes(config: Config) -> int:
@@ -338,6 +348,33 @@ def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
     assert report.step is not None and report.step.seconds > 0
 
 
+PROGRESS_LINE = re.compile(re.escape(PROGRESS_PREFIX) + r" *([\d.]+) s  (.+): (compiling|compiled in ([\d.]+) s); "
+                           r"host memory peak ([\d.]+)([KMG])iB")
+
+
+def test_the_compile_shows_each_program_as_it_starts_and_ends(engine_two_hosts_run):
+    """While the child compiles, one line per program (and per loop body compiled alone for its cost) as it
+    starts and as it ends: its label, the seconds since the start, its compile time, the child's peak host
+    memory. They add up to the report's compile times."""
+    report, text = engine_two_hosts_run
+    lines = [PROGRESS_LINE.fullmatch(line) for line in text.splitlines()]
+    assert len(lines) >= 2 and all(lines), text
+    labels = [m.group(2) for m in lines]
+    assert labels[::2] == labels[1::2], text  # each program's end follows its start
+    assert [m.group(3) for m in lines[::2]] == ["compiling"] * (len(lines) // 2)
+    assert all(m.group(4) is not None for m in lines[1::2])
+    elapsed = [float(m.group(1)) for m in lines]
+    assert elapsed == sorted(elapsed)
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    peaks = [float(m.group(5)) * units[m.group(6)] for m in lines]
+    assert peaks[0] > 100 * 2 ** 20 and peaks == sorted(peaks)  # a process with JAX and libtpu: its high-water mark
+    assert {"learner step", "engine chunk (16 slots)", "engine admission"} <= set(labels), labels
+    assert any(label.startswith("weight sync stage (group 1 of ") for label in labels), labels
+    for program in report.programs:
+        own = [float(m.group(4)) for m in lines[1::2] if m.group(2).startswith(program.name)]
+        assert own and program.compile_seconds == pytest.approx(sum(own), abs=0.05 * len(own) + 0.01), program.name
+
+
 def test_oversized_engine_slots_are_refused_in_one_line(capsys):
     # 2^21 slots of 24 ring positions: their KV rings alone take 24 GiB on each of the two actor devices.
     code = main(["compile", TINY, *ENGINE, "sampler.slots=2097152", "sampler.chunk_steps=16", "--topology", "v5e:2x2"])
@@ -358,7 +395,11 @@ def test_a_compiler_crash_is_one_line(capsys, monkeypatch):
     assert code == CompilerCrash.exit_code == 5
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("grpo-jax: error:")]
-    assert len(errors) == 1 and len(captured.err.strip().splitlines()) == 1, captured.err
+    # One error line; before it, only the progress lines, the last one the program being compiled.
+    lines = captured.err.strip().splitlines()
+    assert len(errors) == 1 and lines[-1] == errors[0], captured.err
+    assert all(PROGRESS_LINE.fullmatch(line) for line in lines[:-1]), captured.err
+    assert PROGRESS_LINE.fullmatch(lines[-2]).group(2, 3) == ("learner step", "compiling"), captured.err
     assert errors[0].startswith("grpo-jax: error: learner step: libtpu's compiler crashed while compiling it (SIGABRT)")
     assert "not a memory verdict" in errors[0] and "mesh.learner.fsdp" in errors[0]
     assert captured.out == ""

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from grpo_jax.algorithm.learner import pack_batch, token_logprobs
 from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module
 from grpo_jax.rollout.engine import Engine
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.run.trainer import group_rows
@@ -112,6 +114,37 @@ def test_engine_draws_what_the_static_sampler_draws(engine, static, model):
             np.testing.assert_allclose(results[i].logprobs[j],
                                        _full_forward_logprobs(model, prompts[i], results[i].tokens[j]), atol=1e-4)
     assert engine.bank_sizes == [8, 8]  # drained banks were halved
+
+
+def test_on_a_tensor_axis_larger_than_the_kv_heads_each_device_holds_the_kv_head_it_reads(engine):
+    """The model's 2 KV heads on a tensor axis of 4 (its 4 query heads split one per device): the ring holds each
+    KV head twice, split over the 4 devices, so each device keeps only the KV head its query head reads (half the
+    keys and values, not all of them). The engine and the static sampler there draw what the engine draws on one
+    device."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=4), jax.devices()[:4])
+    sharded = shard_module(_model(), mesh)
+    on_mesh = Engine(sharded, EOS, PAD, CONFIG)
+    static = Sampler(sharded, EOS, PAD, CONFIG)
+    try:
+        assert (on_mesh.cache_heads, static.cache_heads, engine.cache_heads) == (4, 4, 2)
+        rng = np.random.default_rng(7)
+        prompts = _prompts(rng, rng.integers(1, 17, 12))
+        keys = _group_keys(len(prompts), 7)
+        want = _run(engine, prompts, keys)
+        got = _run(on_mesh, prompts, keys)
+        ring = on_mesh._banks[0].state.cache[0][0]
+        assert ring.shape[1] == 4 and ring.sharding.spec == PartitionSpec(None, "tensor")
+        assert {shard.data.shape[1] for shard in ring.addressable_shards} == {1}
+        samples = static.generate([p for p in prompts for _ in range(G)], keys.reshape(-1))
+        for i, (a, b) in enumerate(zip(want, got)):
+            for j in range(G):
+                n = samples.lengths[i * G + j]
+                np.testing.assert_array_equal(b.tokens[j], a.tokens[j])
+                np.testing.assert_array_equal(samples.tokens[i * G + j, :n], a.tokens[j])
+                np.testing.assert_allclose(b.logprobs[j], a.logprobs[j], atol=1e-5)
+    finally:
+        on_mesh.close()
+        static.close()
 
 
 def test_shared_prefill_equals_separate_prefills(engine):

@@ -1,15 +1,28 @@
 """Learner throughput and model FLOP utilisation (MFU) on the local device (meant for CPU).
 
+Packed vs padded (the default, --mode packing): one step's sequences with long-tailed completion
+lengths (log-normal quantiles, mean --mean-completion of --completion-bucket tokens; prompts mean --mean-prompt of
+--prompt-bucket), trained by the real `Learner.step` as one sequence per row (pack_batch) and as packed rows
+(pack_sequences, optim.packing; the row count rounded up to a size as the trainer does), the two timed
+alternately in the same run. Prints the padding fraction of each layout, each one's trained (non-pad)
+tokens/s, that the two first steps' losses agree, and a last line
+`packed/padded: R x trained tokens/s (packed X, padded Y)`.
+
+    python tools/bench_train.py                          # packed vs padded, 16 sequences, rows of 128 + 512
+    python tools/bench_train.py --sequences 32 --mean-completion 200
+
+--mode mfu instead measures the throughput and MFU of one batch of padded rows, as below.
+
 Runs the real `Learner.step` (jitted, donated, AdamW with global-norm clipping, GRPO loss with TIS
-"tis", no KL, entropy metric on) on a synthetic packed batch, and compares its model FLOP/s with
+"tis", no KL, entropy metric on) on a synthetic batch of padded rows, and compares its model FLOP/s with
 the peak FLOP/s of a large float32 matmul measured in the same run on the same machine. Prints both,
 their ratio, and a last line `learner: X tokens/s, Y GFLOP/s, peak Z GFLOP/s, MFU W%`.
 
-    python tools/bench_train.py                 # default size below; ~1.4 s steps on 2 idle Zen 4 cores
-    python tools/bench_train.py --breakdown     # also forward, forward+backward, optimizer timed apart
-    python tools/bench_train.py --hidden 1024 --intermediate 2816 --heads 16 --batch 2 --seq 512
-    python tools/bench_train.py --mini-batches 4  # PPO mini-batches: 4 updates a step, old log-prob pass included
-    python tools/bench_train.py --lora-rank 16    # LoRA adapters (rank 16, alpha 32, every projection) on a frozen base
+    python tools/bench_train.py --mode mfu      # default size below; ~1.4 s steps on 2 idle Zen 4 cores
+    python tools/bench_train.py --mode mfu --breakdown  # also forward, forward+backward, optimizer timed apart
+    python tools/bench_train.py --mode mfu --hidden 1024 --intermediate 2816 --heads 16 --batch 2 --seq 512
+    python tools/bench_train.py --mode mfu --mini-batches 4  # 4 updates a step, old log-prob pass included
+    python tools/bench_train.py --mode mfu --lora-rank 16  # LoRA (rank 16, alpha 32, every projection)
 
 Default size: vocab 8192, hidden 768, MLP 2048, 4 layers, 12 query / 4 KV heads of 64, float32
 (37.8M parameters, 31.5M of them in matmuls); batch 4 rows x 256 positions = 1024 tokens per step,
@@ -101,6 +114,15 @@ def parse_args(argv=None):
                    help="LoRA adapters of this rank on every projection, alpha 2x rank (0: full fine-tuning)")
     b.add_argument("--ragged", action="store_true",
                    help="random prompt/completion lengths (padding is still computed; default: full rows)")
+    k = p.add_argument_group("packing")
+    k.add_argument("--mode", default="packing", choices=["packing", "mfu"],
+                   help="packing: packed vs padded rows on long-tailed lengths (default); mfu: throughput and MFU "
+                        "of padded rows of the batch above")
+    k.add_argument("--sequences", type=int, default=16, help="packing: sequences per step")
+    k.add_argument("--prompt-bucket", type=int, default=128, help="packing: prompt bucket (tokens)")
+    k.add_argument("--completion-bucket", type=int, default=512, help="packing: completion bucket (tokens)")
+    k.add_argument("--mean-prompt", type=float, default=60.0, help="packing: mean prompt length (tokens)")
+    k.add_argument("--mean-completion", type=float, default=120.0, help="packing: mean completion length (tokens)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
     r.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak")
@@ -126,7 +148,18 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.algorithm.learner import (  # noqa: E402
+    Learner,
+    OptimConfig,
+    pack_batch,
+    pack_layout,
+    pack_sequences,
+    packed_row_sizes,
+    packed_rows_for,
+    padding_fraction,
+    sequence_lengths,
+    token_logprobs,
+)
 from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
 from grpo_jax.model.lora import LoraConfig, init_adapters  # noqa: E402
 from grpo_jax.model.transformer import ModelConfig, count_params, create_model  # noqa: E402
@@ -200,6 +233,87 @@ def synthetic_batch(c: ModelConfig, batch: int, seq: int, prompt_frac: float, ra
     advantages = rng.standard_normal(batch).astype(np.float32)
     return pack_batch(prompts, completions, behaviour, advantages, pad_id=0, prompt_len=prompt_len,
                       completion_len=completion_len)
+
+
+def long_tailed_sequences(c: ModelConfig, n: int, prompt_bucket: int, completion_bucket: int, mean_prompt: float,
+                          mean_completion: float, seed: int):
+    """n sequences (prompts, completions, behaviour log-probs, advantages) whose lengths follow log-normal laws
+    with the given means (sigma 0.4 for prompts, 0.9 for completions: most answers short, a few long, as the
+    token lengths of GSM8K answers are), cut to the buckets. The lengths are the laws' n quantiles in a random
+    order, not draws, so that a step of a few sequences already has about the mean asked for."""
+    from statistics import NormalDist
+
+    rng = np.random.default_rng(seed)
+    normal = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+
+    def lengths(mean, sigma, bucket):
+        quantiles = np.exp(np.log(mean) - sigma ** 2 / 2 + sigma * normal)
+        return rng.permutation(np.clip(np.round(quantiles), 1, bucket).astype(int))
+
+    prompt_lengths = lengths(mean_prompt, 0.4, prompt_bucket)
+    completion_lengths = lengths(mean_completion, 0.9, completion_bucket)
+    prompts = [rng.integers(1, c.vocab_size, k) for k in prompt_lengths]
+    completions = [rng.integers(1, c.vocab_size, k) for k in completion_lengths]
+    behaviour = [rng.normal(-np.log(c.vocab_size), 0.1, k) for k in completion_lengths]
+    return prompts, completions, behaviour, rng.standard_normal(n).astype(np.float32)
+
+
+def compare_packing(args, config: ModelConfig, loss_config: LossConfig, optim_config: OptimConfig) -> dict:
+    """Packed vs padded learner throughput on the same long-tailed step (see the module docstring)."""
+    sequences = long_tailed_sequences(config, args.sequences, args.prompt_bucket, args.completion_bucket,
+                                      args.mean_prompt, args.mean_completion, args.seed)
+    prompts, completions, behaviour, advantages = sequences
+    length = args.prompt_bucket + args.completion_bucket
+    padded = pack_batch(prompts, completions, behaviour, advantages, 0, args.prompt_bucket, args.completion_bucket)
+    prompt_lengths, completion_lengths = sequence_lengths(prompts, completions)
+    layout = pack_layout(prompt_lengths, completion_lengths, length, args.completion_bucket, args.mini_batches)
+    unit = args.mini_batches * (args.micro or 1)
+    sizes = packed_row_sizes(-(-args.sequences // unit) * unit, unit, 8)  # as the trainer rounds (optim.packing)
+    rows = packed_rows_for(layout.rows, sizes)
+    packed = pack_sequences(prompts, completions, behaviour, advantages, 0, length, args.completion_bucket,
+                            args.mini_batches, layout=layout, rows=rows)
+    tokens = int((prompt_lengths + completion_lengths).sum())
+    print(f"step: {args.sequences} sequences, prompts {prompt_lengths.mean():.0f} tokens on average (bucket "
+          f"{args.prompt_bucket}), completions {completion_lengths.mean():.0f} on average, median "
+          f"{np.median(completion_lengths):.0f}, longest {completion_lengths.max()} (bucket {args.completion_bucket}); "
+          f"{tokens} trained tokens", flush=True)
+    print(f"padding fraction: padded {padding_fraction(tokens, args.sequences, length):.3f} ({args.sequences} rows of "
+          f"{length}), packed {padding_fraction(tokens, rows, length):.3f} ({rows} rows: {layout.rows} needed, "
+          f"rounded up to one of {sizes})", flush=True)
+    learners = {name: Learner(create_model(config, seed=args.seed), optim_config, loss_config)
+                for name in ("padded", "packed")}
+    batches = {"padded": padded, "packed": packed}
+    first = {}
+    for name, learner in learners.items():
+        t0 = time.perf_counter()
+        learner._step.lower(*learner.step_arguments(batches[name])).compile()
+        compile_s = time.perf_counter() - t0
+        first[name], _ = learner.step(batches[name])
+        print(f"{name}: compiled in {compile_s:.1f} s; first step loss {first[name]['loss']:.6g}", flush=True)
+    times = {name: [] for name in learners}
+    for _ in range(args.steps):  # alternately, so that both see the same (shared, noisy) machine
+        for name, learner in learners.items():
+            t0 = time.perf_counter()
+            learner.step(batches[name])
+            times[name].append(time.perf_counter() - t0)
+    result = {"tokens": tokens, "rows": {"padded": args.sequences, "packed": rows},
+              "padding_fraction": {"padded": padding_fraction(tokens, args.sequences, length),
+                                   "packed": padding_fraction(tokens, rows, length)},
+              "loss_difference": abs(first["packed"]["loss"] - first["padded"]["loss"])}
+    for name, walls in times.items():
+        step_s = statistics.median(walls)
+        result[f"{name}_tokens_per_s"] = tokens / step_s
+        print(f"{name}: step wall times (s) " + ", ".join(f"{t:.3f}" for t in walls) + f"; median {step_s:.3f}: "
+              f"{tokens / step_s:.0f} trained tokens/s", flush=True)
+    ratio = result["packed_tokens_per_s"] / result["padded_tokens_per_s"]
+    result["ratio"] = ratio
+    print(f"first steps' losses differ by {result['loss_difference']:.2g} (the same sequences, the same model)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **result}, f, indent=1)
+    print(f"packed/padded: {ratio:.2f}x trained tokens/s (packed {result['packed_tokens_per_s']:.0f}, padded "
+          f"{result['padded_tokens_per_s']:.0f})")
+    return result
 
 
 def learner_memory(learner: Learner, compiled) -> dict[str, int]:
@@ -297,6 +411,8 @@ def main(args) -> dict:
     except OSError:
         pass
 
+    if args.mode == "packing":
+        return compare_packing(args, config, loss_config, optim_config)
     measure_peak = PeakMatmul(args.peak_n, args.peak_repeats)
     print(f"peak: {args.peak_n}^3 float32 matmul {measure_peak()[0] / 1e9:.1f} GFLOP/s (first look)", flush=True)
 

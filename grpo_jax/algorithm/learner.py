@@ -23,6 +23,17 @@ rounding of the cut) counts as kept, so that its log-prob stays finite.
 Rows whose reward failed (pack_batch's `valid`) have loss_mask 0, exactly like padding rows: they add
 nothing to the policy loss, the KL, any aggregation denominator or any metric.
 
+Two layouts of a step's sequences (TrainBatch), trained alike: one sequence per row (pack_batch), or packed
+rows (pack_sequences, optim.packing): first-fit decreasing into rows of the same length, each token labelled
+with its sequence (attention within a sequence only, positions restarting at 0), the vocabulary projection on
+the trained positions only (scored_positions), and every per-sequence reduction of the losses a segment
+reduction over each row's sequence slots. A sequence stays in the mini-batch of its padded row (sequence s
+in mini-batch s % M), and a sequence with no trained token is left out (it counts in nothing anyway), so
+loss, gradients, metrics, mini-batches and epochs are those of the padded layout up to float summation
+order (tests/test_packing.py). The number of packed rows varies with the completions' lengths: callers round
+it up to one of a few sizes (packed_row_sizes) so that a run compiles a few programs. Micro-batches hold a
+number of rows (optim.micro_batch_size, or optim.micro_batch_tokens / the row length), packed or not.
+
 Gradient accumulation runs the micro-batches of each update through `lax.scan`, so memory holds one
 micro-batch of activations however large the group. Each micro-batch's loss is weighted by its share of
 the update's loss denominator (tokens for token_mean, sequences otherwise), which makes the accumulated
@@ -61,7 +72,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.algorithm.losses import LossConfig, count_sequences, policy_loss
 from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
@@ -79,26 +90,53 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    micro_batch_size: int = 0  # sequences per micro-batch; 0 = the whole mini-batch at once
+    # Rows per micro-batch: one sequence each, or several when packed (a packed row is as long as a padded
+    # one, so a micro-batch's activations are the same size). 0 = the whole mini-batch at once.
+    micro_batch_size: int = 0
     mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
     epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
     max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
     # Completion positions whose logits exist at once (chunked_logprobs): a device holds rows x this x vocab
     # float32 logits, not rows x max_new_tokens x vocab. 0: all positions at once.
     logprob_chunk: int = 128
+    # Micro-batches counted in tokens: each holds micro_batch_tokens // (the learner's row length, prompt bucket
+    # + completion bucket) rows. 0: micro_batch_size rows. Set at most one of the two.
+    micro_batch_tokens: int = 0
+    # Several sequences per learner row (pack_sequences: first-fit decreasing into rows of the padded row's
+    # length; attention within each sequence only, positions restarting): the padded layout's loss, gradients
+    # and metrics on fewer rows. false: one sequence per row (pack_batch).
+    packing: bool = True
+    # The packed row count is rounded up to one of at most this many sizes (packed_row_sizes): at most this many
+    # learner programs compile over a run.
+    packing_buckets: int = 8
+    # For grpo-jax compile's projection only (time and MFU at the expected fill): the mean prompt and completion
+    # lengths (tokens) a step is expected to have. 0: the buckets (every row full), so nothing is promised that
+    # was not measured; the learner's metrics report the real ones (length/mean, learner/padding_fraction*).
+    expected_prompt_len: int = 0
+    expected_completion_len: int = 0
 
     @property
     def updates_per_step(self) -> int:
         return self.mini_batches * self.epochs
 
+    def micro_batch_rows(self, row_length: int) -> int:
+        """Learner rows per micro-batch for rows of `row_length` tokens (0: the whole mini-batch at once)."""
+        if self.micro_batch_tokens:
+            return max(1, self.micro_batch_tokens // row_length)
+        return self.micro_batch_size
+
     def validate(self) -> list[str]:
         problems = []
         if self.lr <= 0:
             problems.append(f"lr={self.lr}: must be > 0")
-        for key in ("warmup_steps", "decay_steps", "micro_batch_size", "logprob_chunk"):
+        for key in ("warmup_steps", "decay_steps", "micro_batch_size", "logprob_chunk", "micro_batch_tokens",
+                    "expected_prompt_len", "expected_completion_len"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 0")
-        for key in ("mini_batches", "epochs"):
+        if self.micro_batch_size and self.micro_batch_tokens:
+            problems.append(f"micro_batch_tokens={self.micro_batch_tokens}: set it or micro_batch_size "
+                            f"(now {self.micro_batch_size}), not both (set the other to 0)")
+        for key in ("mini_batches", "epochs", "packing_buckets"):
             if getattr(self, key) < 1:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 1")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -158,10 +196,16 @@ def at_learner_step(opt_state, step_index):
 class TrainBatch:
     """One learner batch; sequence index t of the [B, L-1] arrays scores tokens[:, t + 1].
 
-    tokens: [B, L] prompt + completion; input_mask: [B, L] real tokens (prompt left-padded, completion
-    right-padded); loss_mask: [B, L-1] the completion tokens being trained (none in a padding row or in a
-    row whose reward failed: such a row counts in no loss, denominator or metric); advantages: [B];
-    behaviour_logprobs: [B, L-1] the sampler's log-probs of those tokens (0 elsewhere).
+    Two layouts of the same sequences, which train alike (same loss, gradients and metrics):
+    - one sequence per row (pack_batch): input_mask [B, L] bool, the real tokens (prompt left-padded,
+      completion right-padded); advantages [B];
+    - packed rows (pack_sequences): several sequences one after the other in a row; input_mask [B, L] int32
+      segment labels (0: padding, k + 1: the tokens of the row's k-th sequence), so that attention stays
+      within a sequence and positions restart at each (token_logprobs); advantages [B, K], one per sequence
+      slot (K = L // 2, the most sequences a row can hold: each has a prompt and a completion token).
+    tokens: [B, L] the sequences' tokens; loss_mask: [B, L-1] the completion tokens being trained (none in a
+    padding row, an empty slot or a row whose reward failed: such a sequence counts in no loss, denominator or
+    metric); behaviour_logprobs: [B, L-1] the sampler's log-probs of those tokens (0 elsewhere).
     """
 
     tokens: jax.Array
@@ -172,26 +216,60 @@ class TrainBatch:
     # Static: the completions occupy the last completion_len tokens, so only the positions that score
     # them need the vocabulary projection (the costliest matmul at a 32k vocab). 0: score every position.
     completion_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # Packed rows: [B, C] the positions (of the L - 1) that score a trained token, in order, then -1; only they
+    # go through the vocabulary projection (C = the completion bucket: the padded layout's cost per row).
+    scored_positions: jax.Array | None = None
 
     def scored(self, x: jax.Array) -> jax.Array:
         """The [B, L-1, ...] per-position array cut to the positions that score completion tokens."""
+        if self.scored_positions is not None:
+            return take_scored(x, self.scored_positions)
         return x if not self.completion_len else x[:, x.shape[1] - self.completion_len:]
+
+    def sequence_ids(self) -> jax.Array | None:
+        """[B, C] per scored position: the slot (in its row) of the sequence whose token it scores, for the
+        losses' per-sequence reductions; None with one sequence per row."""
+        if jnp.asarray(self.input_mask).dtype == jnp.bool_:
+            return None
+        return self.scored(self.input_mask[:, 1:]) - 1
+
+
+def take_scored(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, ...] at positions [B, C] of each row (a position -1 gives zeros), [B, C, ...]."""
+    extra = (1,) * (x.ndim - 2)
+    index = jnp.maximum(positions, 0).reshape(positions.shape + extra)
+    taken = jnp.take_along_axis(x, index, axis=1)
+    return jnp.where((positions >= 0).reshape(positions.shape + extra), taken, jnp.zeros((), taken.dtype))
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
                    last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None, top_k: int = 0,
-                   top_p: float = 1.0, chunk: int = 0):
+                   top_p: float = 1.0, chunk: int = 0, scored_positions: jax.Array | None = None):
     """Log-prob of each next token under the sampler's distribution (tempered_logprobs: softmax(logits /
-    temperature), truncated by top_k / top_p), [B, L-1] (or only the last `last` positions, [B, last]), and
-    optionally the entropy of each next-token distribution. adapters, dropout_key: LoRA on top of the model
-    (Transformer.hidden_states). chunk: positions whose logits exist at once (chunked_logprobs); 0: all."""
+    temperature), truncated by top_k / top_p), [B, L-1] (or only the last `last` positions, [B, last], or only
+    `scored_positions` [B, C], [B, C]), and optionally the entropy of each next-token distribution.
+    input_mask: bool real tokens (one sequence per row), or int segment labels (packed rows, TrainBatch):
+    each token attends only to its own sequence, whose positions start at 0. adapters, dropout_key: LoRA on
+    top of the model (Transformer.hidden_states). chunk: positions whose logits exist at once
+    (chunked_logprobs); 0: all."""
     positions = positions_from_mask(input_mask)
-    hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], input_mask[:, :-1], adapters=adapters,
-                                    dropout_key=dropout_key)
+    packed = jnp.asarray(input_mask).dtype != jnp.bool_
+    key_mask = input_mask > 0 if packed else input_mask
+    segments = input_mask[:, :-1] if packed else None
+    hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], key_mask[:, :-1], adapters=adapters,
+                                    dropout_key=dropout_key, segment_ids=segments)
     targets = tokens[:, 1:]
-    if last:
+    if scored_positions is not None:
+        hidden, targets = take_scored(hidden, scored_positions), take_scored(targets, scored_positions)
+    elif last:
         hidden, targets = hidden[:, -last:], targets[:, -last:]
     return chunked_logprobs(model.logits, hidden, targets, chunk, temperature, top_k, top_p, with_entropy)
+
+
+def batch_logprobs(model: Transformer, batch: TrainBatch, **options):
+    """token_logprobs at the batch's scored positions, [B, C] (either layout); options as token_logprobs's."""
+    return token_logprobs(model, batch.tokens, batch.input_mask, last=batch.completion_len,
+                          scored_positions=batch.scored_positions, **options)
 
 
 def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0,
@@ -226,25 +304,57 @@ def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: in
 
 def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig) -> jax.Array:
     """This micro-batch's share of the update's loss denominator (before division by the total)."""
+    mask = batch.scored(batch.loss_mask)
     if loss_config.aggregation == "token_mean":
-        return jnp.sum(batch.loss_mask)
-    # policy_loss averages over sequences that have at least one token (fully padded rows drop out).
-    return jnp.sum(jnp.any(batch.loss_mask > 0, axis=-1)).astype(jnp.float32)
+        return jnp.sum(mask)
+    # policy_loss averages over sequences that have at least one token (padding rows, empty slots drop out).
+    return count_sequences(mask, batch.advantages, batch.sequence_ids())
 
 
 def split_rows(tree, parts: int):
     """Every leaf [B, ...] -> [parts, B / parts, ...], part p holding rows p, p + parts, ... (strided: a
-    batch sharded by rows keeps each part spread over all its devices, so a scan over parts stays local)."""
+    batch sharded by rows keeps each part spread over all its devices, so a scan over parts stays local).
+    Packed rows keep this: pack_sequences puts mini-batch m's sequences in rows m, m + M, ..."""
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // parts, parts, *x.shape[1:]), 0, 1), tree)
 
 
 def mini_batch_of_row(row: int, mini_batches: int) -> int:
-    """The mini-batch that holds a batch row (see split_rows)."""
+    """The mini-batch that holds a batch row (see split_rows), and sequence `row` of a step in either layout
+    (pack_sequences keeps each sequence in the mini-batch of its padded row)."""
     return row % mini_batches
 
 
 # Metrics that count (tokens, sequences): summed over micro-batches, not averaged like the rest.
 COUNT_METRICS = ("num_tokens", "num_seqs")
+# Aggregated losses: merged by each micro-batch's share of the update's loss denominator (as the loss itself).
+LOSS_METRICS = ("loss", "pg_loss", "kl/loss")
+# Means over sequences (the other means are over tokens); advantage/std is pooled from the micro-batches' means.
+SEQUENCE_MEANS = ("advantage/mean", "advantage/std")
+
+
+def _merge_micro_metrics(stacked: dict, weights: jax.Array) -> dict:
+    """One update's metrics from its micro-batches' (stacked [parts]): each mean weighted by what it is a mean
+    over (tokens, sequences, or the loss denominator `weights`), so that the result is the whole mini-batch's
+    whatever the split, and the same for padded and packed rows (whose micro-batches hold other sequences)."""
+    tokens, seqs = stacked["num_tokens"], stacked["num_seqs"]
+    merged = _merge_metrics({k: v for k, v in stacked.items() if k in LOSS_METRICS}, weights)
+    for key, value in stacked.items():
+        if key in LOSS_METRICS:
+            continue
+        count = seqs if key in SEQUENCE_MEANS else tokens
+        share = count / jnp.maximum(jnp.sum(count), 1e-9)
+        if key in COUNT_METRICS:
+            merged[key] = jnp.sum(value)
+        elif key.endswith(("max", "min")):  # over the parts that hold any (an empty part reports 0)
+            largest = key.endswith("max")
+            held = jnp.where(count > 0, value, -jnp.inf if largest else jnp.inf)
+            merged[key] = jnp.where(jnp.any(count > 0), jnp.max(held) if largest else jnp.min(held), 0.0)
+        elif key == "advantage/std":  # pooled: within-part variances plus the parts' means' spread
+            mean = jnp.sum(stacked["advantage/mean"] * share)
+            merged[key] = jnp.sqrt(jnp.sum(share * (value ** 2 + (stacked["advantage/mean"] - mean) ** 2)))
+        else:
+            merged[key] = jnp.sum(value * share)
+    return merged
 
 
 def _merge_metrics(stacked: dict, weights: jax.Array) -> dict:
@@ -288,7 +398,6 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
     the adapters' dropout in the gradient pass, or None for none.
     """
     mini_batches, updates = optim_config.mini_batches, optim_config.updates_per_step
-    micro_batch_size = optim_config.micro_batch_size
     temperature = temperature or 1.0
 
     def logprobs_of(gd, params, micro: TrainBatch, frozen=None, with_entropy=False, dropout_key=None):
@@ -296,16 +405,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             model, adapters = nnx.merge(gd, params), None
         else:  # params None: the base alone (the KL reference)
             model, adapters = nnx.merge(base_graphdef, frozen), None if params is None else nnx.merge(gd, params)
-        return token_logprobs(model, micro.tokens, micro.input_mask, with_entropy=with_entropy,
-                              last=micro.completion_len, temperature=temperature, adapters=adapters,
+        return batch_logprobs(model, micro, with_entropy=with_entropy, temperature=temperature, adapters=adapters,
                               dropout_key=dropout_key, top_k=top_k, top_p=top_p, chunk=optim_config.logprob_chunk)
 
-    def num_micro(rows: int) -> int:
-        return rows // micro_batch_size if micro_batch_size else 1
+    def num_micro(batch: TrainBatch) -> int:
+        micro_rows = optim_config.micro_batch_rows(batch.tokens.shape[1])
+        return batch.tokens.shape[0] // micro_rows if micro_rows else 1
 
     def forward_logprobs(gd, params, batch: TrainBatch, frozen=None) -> jax.Array:
         """[B, T] log-probs without gradient (and without dropout), one micro-batch of activations at a time."""
-        parts = num_micro(batch.advantages.shape[0])
+        parts = num_micro(batch)
         out = jax.lax.map(lambda micro: logprobs_of(gd, params, micro, frozen)[0], split_rows(batch, parts))
         # Undo split_rows: [parts, B / parts, T] -> [B, T] with row r at (r % parts, r // parts).
         return jax.lax.stop_gradient(jnp.swapaxes(out, 0, 1).reshape(-1, out.shape[-1]))
@@ -322,13 +431,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         old = jax.lax.stop_gradient(logprobs) if rows.old_logprobs is None else rows.old_logprobs
         loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
                                     micro.advantages, micro.scored(micro.loss_mask), loss_config,
-                                    entropies=entropy)
+                                    entropies=entropy, sequence_ids=micro.sequence_ids())
         return loss * weight_over_total, metrics
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def one_update(params, opt_state, rows: _Rows, frozen, dropout_key):
-        parts = num_micro(rows.batch.advantages.shape[0])
+        parts = num_micro(rows.batch)
         micros = split_rows(rows, parts)
         weights = jax.vmap(lambda m: _aggregation_weight(m, loss_config))(micros.batch)
         total = jnp.maximum(jnp.sum(weights), 1.0)
@@ -350,7 +459,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         # keeps each leaf's dtype (bfloat16 master weights get float32 gradients) through the update loop.
         def keep(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
-        metrics = _merge_metrics(stacked, weights)
+        metrics = _merge_micro_metrics(stacked, weights)
         metrics.update(loss=loss, grad_norm=grad_norm)
         return keep(new_params, params), keep(new_opt_state, opt_state), metrics, finite
 
@@ -450,11 +559,13 @@ class Learner:
         return self._jitted_step
 
     def check_batch(self, batch: TrainBatch) -> None:
-        size = batch.advantages.shape[0]
-        mini, micro = self.optim_config.mini_batches, self.optim_config.micro_batch_size
+        size, length = batch.tokens.shape
+        optim = self.optim_config
+        mini, micro = optim.mini_batches, optim.micro_batch_rows(length)
         if size % mini or (micro and (size // mini) % micro):
-            raise ValueError(f"batch of {size} sequences does not split into optim.mini_batches={mini} "
-                             f"mini-batches of micro-batches of optim.micro_batch_size={micro}")
+            raise ValueError(f"batch of {size} rows does not split into optim.mini_batches={mini} mini-batches of "
+                             f"micro-batches of {micro} rows (optim.micro_batch_size={optim.micro_batch_size}, "
+                             f"optim.micro_batch_tokens={optim.micro_batch_tokens}, rows of {length})")
 
     def step_arguments(self, batch: TrainBatch) -> tuple:
         """The arguments of the jitted step (`_step`) for this batch, now: parameters, optimizer state, batch,
@@ -557,3 +668,136 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
                       input_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
                       loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32),
                       behaviour_logprobs=behaviour, completion_len=completion_len)
+
+
+# ------------------------------------------------------------------ packed rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where pack_layout put each sequence of a step (NumPy [n] arrays, in the padded layout's row order)."""
+
+    row: np.ndarray  # its packed row (-1: left out, it has no trained token)
+    offset: np.ndarray  # the index of its first (prompt) token in that row
+    slot: np.ndarray  # its place among the row's sequences (0, 1, ... by offset): its segment label is slot + 1
+    rows: int  # rows it needs: mini_batches x the most rows one mini-batch needs
+
+
+def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_length: int, mini_batches: int = 1,
+                first_sequence: int = 0) -> PackedLayout:
+    """First-fit decreasing of a step's sequences (prompt + completion) into rows of `row_length` tokens of
+    which at most `scored_length` are trained (scored) completion tokens.
+
+    Mini-batches stay strided by sequence: sequence i is the step's sequence first_sequence + i (this process's
+    first one is process x its sequences) and trains in mini-batch (first_sequence + i) % M, as its row would
+    in the padded layout (split_rows). Each mini-batch's sequences are packed into rows of their own, and the
+    j-th row of mini-batch m is row j x M + m: with a row count that is a multiple of M (every bucket is),
+    split_rows hands mini-batch m exactly its sequences. A sequence with no trained token (completion length 0:
+    empty, or its reward failed) trains nothing and is left out. Longest first, each into the first row where
+    it fits, else a new row."""
+    prompt = np.asarray(prompt_lengths, np.int64)
+    completion = np.asarray(completion_lengths, np.int64)
+    total = prompt + completion
+    too_long = np.flatnonzero((total > row_length) | (completion > scored_length))
+    if len(too_long):
+        i = int(too_long[0])
+        raise ValueError(f"sequence {i}: {prompt[i]} + {completion[i]} tokens exceed a packed row of {row_length} "
+                         f"tokens, {scored_length} of them trained")
+    unscorable = np.flatnonzero((prompt == 0) & (completion > 0))
+    if len(unscorable):  # its first completion token would have no position before it to be scored from
+        raise ValueError(f"sequence {int(unscorable[0])}: a completion without a prompt token")
+    n = len(total)
+    row, offset, slot = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    mini_of = (first_sequence + np.arange(n)) % mini_batches
+    most = 0
+    for m in range(mini_batches):
+        members = np.flatnonzero((completion > 0) & (mini_of == m))
+        order = members[np.argsort(-total[members], kind="stable")]
+        free = np.zeros(len(order), np.int64)  # tokens left in each open row
+        free_scored = np.zeros(len(order), np.int64)
+        held = np.zeros(len(order), np.int64)  # sequences in each open row
+        opened = 0
+        for i in order:
+            fits = (free[:opened] >= total[i]) & (free_scored[:opened] >= completion[i])
+            j = int(np.argmax(fits)) if opened and fits.any() else opened
+            if j == opened:
+                free[j], free_scored[j], opened = row_length, scored_length, opened + 1
+            row[i], offset[i], slot[i] = j * mini_batches + m, row_length - free[j], held[j]
+            free[j] -= total[i]
+            free_scored[j] -= completion[i]
+            held[j] += 1
+        most = max(most, opened)
+    return PackedLayout(row, offset, slot, most * mini_batches)
+
+
+def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
+                   row_length: int, scored_length: int, mini_batches: int = 1, valid: np.ndarray | None = None,
+                   first_sequence: int = 0, layout: PackedLayout | None = None, rows: int | None = None) -> TrainBatch:
+    """Packed rows (TrainBatch's second layout) of the sequences pack_batch would lay out one per row, with the
+    same arguments (prompt and completion rows, behaviour log-probs cut to their completion, advantages [n],
+    valid [n]). Positions, attention and the losses' per-sequence reductions follow each sequence, so the
+    learner trains this batch as it trains pack_batch's. layout: pack_layout's (computed here when None, from
+    the lengths with a failed row's completion counted as 0); rows: how many rows (>= layout.rows, a multiple of
+    mini_batches; None: layout.rows), the extra ones padding. Returns NumPy arrays."""
+    n = len(prompts)
+    if valid is not None:
+        valid = np.asarray(valid, bool)
+        if valid.shape != (n,):
+            raise ValueError(f"valid has shape {valid.shape}, expected ({n},): one flag per row")
+    if layout is None:
+        layout = pack_layout(*sequence_lengths(prompts, completions, valid), row_length, scored_length, mini_batches,
+                             first_sequence)
+    rows = layout.rows if rows is None else rows
+    if rows < layout.rows or rows % mini_batches:
+        raise ValueError(f"{rows} packed rows: need at least {layout.rows}, a multiple of {mini_batches} mini-batches")
+    slots = row_length // 2  # every packed sequence has a prompt token and a trained token
+    tokens = np.full((rows, row_length), pad_id, np.int32)
+    labels = np.zeros((rows, row_length), np.int32)
+    loss_mask = np.zeros((rows, row_length - 1), np.float32)
+    behaviour = np.zeros((rows, row_length - 1), np.float32)
+    packed_advantages = np.zeros((rows, slots), np.float32)
+    advantages = np.asarray(advantages, np.float32)
+    for i in np.flatnonzero(layout.row >= 0):
+        r, start = layout.row[i], layout.offset[i]
+        prompt, completion = np.asarray(prompts[i]).reshape(-1), np.asarray(completions[i]).reshape(-1)
+        middle, end = start + len(prompt), start + len(prompt) + len(completion)
+        tokens[r, start:middle], tokens[r, middle:end] = prompt, completion
+        labels[r, start:end] = layout.slot[i] + 1
+        # Position t scores token t + 1: the completion's tokens middle .. end-1 are scored at middle-1 .. end-2.
+        loss_mask[r, middle - 1:end - 1] = 1.0
+        behaviour[r, middle - 1:end - 1] = np.asarray(behaviour_logprobs[i], np.float32)[:len(completion)]
+        packed_advantages[r, layout.slot[i]] = advantages[i]
+    # Each row's trained positions in order, then -1 (a stable sort puts the trained ones first).
+    order = np.argsort(loss_mask == 0, axis=1, kind="stable")[:, :scored_length]
+    scored = np.where(np.take_along_axis(loss_mask, order, axis=1) > 0, order, -1).astype(np.int32)
+    return TrainBatch(tokens=tokens, input_mask=labels, loss_mask=loss_mask, advantages=packed_advantages,
+                      behaviour_logprobs=behaviour, scored_positions=scored)
+
+
+def sequence_lengths(prompts: list, completions: list, valid: np.ndarray | None = None):
+    """([n] prompt lengths, [n] trained completion lengths: 0 for a row whose reward failed), for pack_layout."""
+    prompt = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
+    completion = np.fromiter((len(c) for c in completions), np.int64, len(completions))
+    if valid is not None:
+        completion = np.where(np.asarray(valid, bool), completion, 0)
+    return prompt, completion
+
+
+def packed_row_sizes(max_rows: int, unit: int, buckets: int) -> tuple[int, ...]:
+    """The packed row counts a run compiles for: max_rows x k / buckets for k = 1 .. buckets, each rounded up to
+    a multiple of `unit` (what splits into mini-batches, micro-batches and devices), without repeats; max_rows
+    (a multiple of unit) is the last: the most rows a step can need."""
+    return tuple(sorted({-(-max_rows * k // (buckets * unit)) * unit for k in range(1, buckets + 1)}))
+
+
+def packed_rows_for(needed: int, sizes: tuple[int, ...]) -> int:
+    """The smallest of `sizes` that holds `needed` rows."""
+    for size in sizes:
+        if size >= needed:
+            return size
+    raise ValueError(f"{needed} packed rows: more than the largest size {sizes[-1]}")
+
+
+def padding_fraction(trained_tokens: int, rows: int, row_length: int) -> float:
+    """The share of `rows` x `row_length` token slots that hold no token of a trained sequence."""
+    return 1.0 - trained_tokens / max(rows * row_length, 1)

@@ -19,6 +19,13 @@ Off-policy corrections (`off_policy`), both clipping the ratio against the proxi
 
 `mask` [B, T] marks completion tokens (1) versus padding (0). Padding may hold any values, even
 inf/NaN: it is excluded from the loss, its gradient and every metric.
+
+Sequences. Every per-sequence quantity (the sequence means of the aggregations, GSPO's sequence ratio, the
+advantage statistics, num_seqs) is a segment reduction over a static number of sequence slots (Sequences):
+either one sequence per row (`sequence_ids` None, advantages [B]: the padded layout), or K slots per row
+(`sequence_ids` [B, T], each token's slot in [0, K) in its row, advantages [B, K]: rows packed with several
+sequences, learner.pack_sequences). A slot without tokens counts nowhere, so the two layouts of the same
+sequences give the same loss, gradient and metrics (up to float summation order).
 """
 
 from __future__ import annotations
@@ -112,20 +119,64 @@ def kl_per_token(logprobs, ref_logprobs, estimator: str):
     raise ValueError(f"kl_estimator={estimator!r}: allowed {', '.join(KL_ESTIMATORS)}")
 
 
-def aggregate(per_token, mask, aggregation: str, max_completion_len: int = 0):
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """Which sequence each token of a [B, T] array belongs to: `ids` [B, T], a flat slot index in [0, count)
+    (row * K + the token's slot in its row), and each slot's advantage [count] (0 where given for none)."""
+
+    ids: jax.Array
+    count: int
+    advantages: jax.Array
+
+    def sum(self, x):
+        """[B, T] -> [count]: each sequence's sum (a segment sum; 0 for a slot without tokens)."""
+        return jax.ops.segment_sum(x.reshape(-1), self.ids.reshape(-1), self.count)
+
+    def spread(self, per_sequence):
+        """[count] -> [B, T]: each token gets its sequence's value."""
+        return per_sequence[self.ids]
+
+
+def sequences_of(mask, advantages, sequence_ids=None) -> Sequences:
+    """The Sequences of a batch: one per row (sequence_ids None, advantages [B]) or K slots per row
+    (sequence_ids [B, T] int in [0, K), advantages [B, K]). Ids of masked-out tokens are never trusted: they
+    are clipped into range (their values are zeroed by the mask anyway)."""
+    b, t = mask.shape
+    advantages = jnp.asarray(advantages)
+    if sequence_ids is None:
+        if advantages.shape != (b,):
+            raise ValueError(f"advantages of shape {advantages.shape}: one per row ({b},) without sequence_ids")
+        return Sequences(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)), b, advantages)
+    if advantages.ndim != 2 or advantages.shape[0] != b:
+        raise ValueError(f"advantages of shape {advantages.shape}: [rows, slots] ({b}, K) with sequence_ids")
+    slots = advantages.shape[1]
+    ids = jnp.clip(jnp.where(jnp.asarray(mask) > 0, sequence_ids, 0), 0, slots - 1).astype(jnp.int32)
+    return Sequences(jnp.arange(b, dtype=jnp.int32)[:, None] * slots + ids, b * slots, advantages.reshape(-1))
+
+
+def count_sequences(mask, advantages, sequence_ids=None):
+    """The number of sequences with at least one token under `mask` (float32 scalar)."""
+    sequences = sequences_of(mask, advantages, sequence_ids)
+    return (sequences.sum(jnp.asarray(mask, jnp.float32)) > 0).sum().astype(jnp.float32)
+
+
+def aggregate(per_token, mask, aggregation: str, max_completion_len: int = 0, sequences: Sequences | None = None):
     """Scalar from per-token values [B, T] under a float mask [B, T]; see LossConfig.aggregation.
-    Sequences with no tokens (padding rows) count in no denominator."""
+    Sequences with no tokens (padding rows, empty slots) count in no denominator. sequences: which sequence
+    each token belongs to (None: one per row)."""
     x = jnp.where(mask > 0, per_token, 0.0) * mask
-    tokens = mask.sum(axis=1)
+    if sequences is None:
+        sequences = sequences_of(mask, jnp.zeros(mask.shape[0], x.dtype))
+    tokens = sequences.sum(mask)
     num_seqs = jnp.maximum((tokens > 0).sum(), 1)
     if aggregation == "token_mean":
-        return x.sum() / jnp.maximum(tokens.sum(), 1.0)
+        return x.sum() / jnp.maximum(mask.sum(), 1.0)
     if aggregation == "seq_mean_token_mean":
-        return (x.sum(axis=1) / jnp.maximum(tokens, 1.0)).sum() / num_seqs
+        return (sequences.sum(x) / jnp.maximum(tokens, 1.0)).sum() / num_seqs
     if aggregation == "seq_mean_token_sum_norm":
         if not max_completion_len > 0:
             raise ValueError("aggregation='seq_mean_token_sum_norm' needs max_completion_len > 0")
-        return (x.sum(axis=1) / max_completion_len).sum() / num_seqs
+        return (sequences.sum(x) / max_completion_len).sum() / num_seqs
     raise ValueError(f"aggregation={aggregation!r}: allowed {', '.join(AGGREGATIONS)}")
 
 
@@ -142,14 +193,15 @@ def _masked_min(x, m):
 
 
 def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advantages, mask,
-                config: LossConfig, entropies=None):
+                config: LossConfig, entropies=None, sequence_ids=None):
     """(loss scalar, metrics dict of scalars).
 
     logprobs, old_logprobs, behaviour_logprobs, ref_logprobs: [B, T] per completion token;
       behaviour_logprobs may be None when config.off_policy == "none" (then no mismatch metrics),
       ref_logprobs may be None when not config.needs_reference.
-    advantages: [B], one per sequence. mask: [B, T] bool or float. entropies: optional [B, T].
-    Gradients flow only through `logprobs`.
+    advantages: one per sequence, [B] (one sequence per row) or [B, K] (K sequence slots per row, with
+    sequence_ids [B, T]: each token's slot in its row; see the module docstring). mask: [B, T] bool or
+    float. entropies: optional [B, T]. Gradients flow only through `logprobs`.
     """
     if config.off_policy != "none" and behaviour_logprobs is None:
         raise ValueError(f"off_policy={config.off_policy!r} needs behaviour_logprobs")
@@ -158,21 +210,23 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
     dtype = jnp.result_type(logprobs.dtype, jnp.float32)
     m = jnp.asarray(mask).astype(bool)
     mf = m.astype(dtype)
-    seq_has_tokens = m.any(axis=1)
+    sequences = sequences_of(m, advantages, sequence_ids)
+    seq_tokens = sequences.sum(mf)
+    seq_has_tokens = seq_tokens > 0
     # Sanitize padding before any exp: garbage there would otherwise become inf * 0 = NaN.
     logp = jnp.where(m, logprobs, 0.0).astype(dtype)
     old = jax.lax.stop_gradient(jnp.where(m, old_logprobs, 0.0).astype(dtype))
-    adv_seq = jnp.where(seq_has_tokens, jnp.asarray(advantages, dtype), 0.0)
-    adv = adv_seq[:, None] * mf
+    adv_seq = jnp.where(seq_has_tokens, sequences.advantages.astype(dtype), 0.0)
+    adv = sequences.spread(adv_seq) * mf
     log_ratio = logp - old
 
     if config.loss_type == "grpo":
         ratio = jnp.exp(log_ratio)
         lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
     elif config.loss_type == "gspo":
-        seq_log_ratio = (log_ratio * mf).sum(axis=1) / jnp.maximum(mf.sum(axis=1), 1.0)
+        seq_log_ratio = sequences.sum(log_ratio * mf) / jnp.maximum(seq_tokens, 1.0)
         # GSPO-token: value is the sequence ratio s_i; the gradient reaches each token as s_i * dlogp_t.
-        seq_ratio = jax.lax.stop_gradient(jnp.exp(seq_log_ratio))[:, None]
+        seq_ratio = sequences.spread(jax.lax.stop_gradient(jnp.exp(seq_log_ratio)))
         ratio = seq_ratio * jnp.exp(logp - jax.lax.stop_gradient(logp))
         lo, hi = 1.0 - config.gspo_clip_low, 1.0 + config.gspo_clip_high
     else:
@@ -197,12 +251,12 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
         elif config.off_policy == "decoupled":
             pg = pg * jnp.where(capped, 0.0, is_w)
 
-    pg_loss = aggregate(pg, mf, config.aggregation, config.max_completion_len)
+    pg_loss = aggregate(pg, mf, config.aggregation, config.max_completion_len, sequences)
     loss = pg_loss
     if ref_logprobs is not None:
         ref = jax.lax.stop_gradient(jnp.where(m, ref_logprobs, 0.0).astype(dtype))
         kl = kl_per_token(logp, ref, config.kl_estimator)
-        kl_loss = aggregate(kl, mf, config.aggregation, config.max_completion_len)
+        kl_loss = aggregate(kl, mf, config.aggregation, config.max_completion_len, sequences)
         if config.kl_coef != 0.0:
             loss = loss + config.kl_coef * kl_loss
         metrics |= {"kl/loss": kl_loss, "kl/mean": _masked_mean(kl, m)}

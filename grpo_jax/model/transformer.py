@@ -7,7 +7,10 @@ maps them onto a mesh.
 
 The forward pass takes an optional KV cache so that the sampler (prefill + decode) and the learner
 (full sequences) use the same code, and optional LoRA adapters (lora.py), kept outside the model so that
-its graph and weights are the same with and without them.
+its graph and weights are the same with and without them. Without a cache a row may hold several
+sequences (the learner's packed rows): with `segment_ids` a token attends only to earlier tokens of its
+own segment, and positions_from_mask restarts the RoPE positions at each segment's first token, so each
+sequence's hidden states are those it would have alone in a row.
 """
 
 from __future__ import annotations
@@ -165,7 +168,9 @@ class Attention(nnx.Module):
         self.scale = d ** -0.5
 
     def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
-        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,KV,S,D] or None (then S == T).
+        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,C,S,D] or None (then S == T), where C is
+        num_kv_heads or a multiple of it that divides num_heads (see Transformer.init_cache); query head h reads
+        cache head h // (num_heads / C).
         adapters: this layer's lora.LayerAdapters or None; dropout_key: their dropout (None: none)."""
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])  # [B*T, E]: see MLP.__call__
@@ -185,12 +190,15 @@ class Attention(nnx.Module):
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
         if cache is not None:
             k_cache, v_cache = cache
+            if k_cache.shape[1] != k.shape[1]:  # a cache holding each KV head repeated (init_cache's `heads`)
+                repeats = k_cache.shape[1] // k.shape[1]
+                k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
             cache = (k, v)
         b, t, h, d = q.shape
         kv = k.shape[1]
-        q = q.reshape(b, t, kv, self.num_groups, d)
+        q = q.reshape(b, t, kv, h // kv, d)
         scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(dtype),
                             preferred_element_type=jnp.float32) * self.scale
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
@@ -245,7 +253,7 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x), adapters, dropout_key), cache
 
 
-KVCache = tuple  # per layer: (k, v), each [batch, kv_heads, cache_len, head_dim]
+KVCache = tuple  # per layer: (k, v), each [batch, kv_heads (or a multiple: init_cache), cache_len, head_dim]
 
 
 class Transformer(nnx.Module):
@@ -267,20 +275,30 @@ class Transformer(nnx.Module):
     def compute_dtype(self):
         return DTYPES[self.config.dtype]
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
+    def init_cache(self, batch: int, length: int, heads: int = 0) -> KVCache:
+        """Zeros for `length` positions of `batch` rows. heads: 0 for num_kv_heads; or a multiple of it that
+        divides num_heads, each KV head then held heads / num_kv_heads times in a row (each copy read by its own
+        share of the query heads): so that a tensor axis larger than num_kv_heads can split the cache, each
+        device holding the KV head its query heads use (rollout.sampler.cache_layout)."""
         c = self.config
-        shape = (batch, c.num_kv_heads, length, c.resolved_head_dim)
+        heads = heads or c.num_kv_heads
+        if heads % c.num_kv_heads or c.num_heads % heads:
+            raise ValueError(f"init_cache: heads={heads} must be a multiple of num_kv_heads={c.num_kv_heads} that "
+                             f"divides num_heads={c.num_heads}")
+        shape = (batch, heads, length, c.resolved_head_dim)
         return tuple((jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype))
                      for _ in range(c.num_layers))
 
     def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0,
-                      adapters=None, dropout_key=None):
+                      adapters=None, dropout_key=None, segment_ids=None):
         """Final-normed hidden states [B, T, E] and the updated cache.
 
         tokens, positions: [B, T] int. key_mask: [B, S] bool, which keys are real tokens (S == T without
         a cache, else the cache length, with this call's tokens already marked). A query at index t (cache
         slot write_index + t) sees key slot s when key_mask[b, s] and s <= write_index + t, so left and
         right padding are both handled by the mask alone.
+        segment_ids: [B, T] int or None, without a cache only: a query sees only keys of its own segment
+        (several sequences packed in one row; no token attends across sequences, forward or backward).
         adapters: lora.Adapters applied on top of these weights (None: the model alone); dropout_key: a
         PRNG key for their dropout (None: no dropout, as in sampling and in passes without gradient).
         """
@@ -289,6 +307,10 @@ class Transformer(nnx.Module):
         s = key_mask.shape[1]
         query_slot = write_index + jnp.arange(t)[:, None]
         mask = key_mask[:, None, :] & (jnp.arange(s)[None, :] <= query_slot)[None]
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids: only without a KV cache (a row of packed sequences)")
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         inv_freq = rope_inverse_frequencies(self.config)
         new_cache = []
         for i, layer in enumerate(self.layers):
@@ -337,8 +359,17 @@ def create_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 
 def positions_from_mask(mask: jnp.ndarray) -> jnp.ndarray:
-    """Position ids for a [B, T] token mask: 0 at each row's first real token, counting real tokens."""
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    """Position ids for a [B, T] token mask: 0 at each row's first real token, counting real tokens.
+
+    A mask of integer segment labels (0: padding, k > 0: the tokens of one sequence, contiguous; rows of
+    packed sequences): 0 at each segment's first token, counting within the segment, so RoPE sees each
+    sequence as if it were alone in its row (padding gets 0)."""
+    if mask.dtype == jnp.bool_:
+        return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    index = jnp.broadcast_to(jnp.arange(mask.shape[-1], dtype=jnp.int32), mask.shape)
+    previous = jnp.concatenate([jnp.full_like(mask[..., :1], -1), mask[..., :-1]], axis=-1)
+    start = jax.lax.cummax(jnp.where(mask != previous, index, 0), axis=mask.ndim - 1)
+    return jnp.where(mask > 0, index - start, 0)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.transformer import DTYPES, ModelConfig, positions_from_mask
@@ -22,7 +22,7 @@ from grpo_jax.planning.programs import Compiled, Cost, Program, compile_one
 from grpo_jax.planning.topology import Topology
 from grpo_jax.planning.units import size_text
 from grpo_jax.rollout.engine import Engine, SlotState
-from grpo_jax.rollout.sampler import Sampler, SamplerConfig, _bucket, _phase_ends, vocab_major_head
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig, _bucket, _phase_ends, cache_layout, vocab_major_head
 from grpo_jax.rollout.weight_sync import narrowed
 from grpo_jax.run.plan import RunPlan, shard_bytes
 
@@ -191,8 +191,8 @@ def decode_cost(graphdef, model_cfg: ModelConfig, state, head, cfg, static: dict
     if not steps:
         return _Timed(first.cost, first.seconds, "")
     length = round(weighted / steps)
-    shape = (batch, model_cfg.num_kv_heads, length, model_cfg.resolved_head_dim)
-    cache_sharding = kv_cache_sharding(mesh, model_cfg.num_kv_heads)
+    heads, cache_sharding = cache_layout(model_cfg, mesh)
+    shape = (batch, heads, length, model_cfg.resolved_head_dim)
     cache = tuple((sds(shape, DTYPES[model_cfg.dtype], cache_sharding),) * 2 for _ in range(model_cfg.num_layers))
     # The cache is updated in place, as in the generate loop: donated, and returned with the same plan.
     jitted = jax.jit(decode, donate_argnums=(5,), out_shardings=((replicated, replicated), cache_sharding))
@@ -202,20 +202,6 @@ def decode_cost(graphdef, model_cfg: ModelConfig, state, head, cfg, static: dict
     if step.cost is None:
         return _Timed(None, first.seconds + step.seconds, f"one decode step alone was refused: {step.refusal}")
     return _Timed(first.cost + step.cost * steps, first.seconds + step.seconds, "")
-
-
-def kv_cache_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> NamedSharding:
-    """The KV cache's layout in the generate loop, as the compiler chooses it: KV heads split over the tensor
-    axis; with fewer KV heads than tensor devices, each head on the group of tensor/kv_heads devices whose query
-    heads use it. (A decode step handed the cache replicated instead copies all of it every step.)"""
-    t = mesh.shape["tensor"]
-    if kv_heads % t == 0:
-        return NamedSharding(mesh, PartitionSpec(None, "tensor"))
-    if t % kv_heads:
-        return NamedSharding(mesh, PartitionSpec())
-    grouped = jax.sharding.Mesh(mesh.devices.reshape(mesh.shape["data"], mesh.shape["fsdp"], kv_heads, t // kv_heads),
-                                ("data", "fsdp", "kv_heads", "kv_replicas"), axis_types=(AxisType.Auto,) * 4)
-    return NamedSharding(grouped, PartitionSpec(None, "kv_heads"))
 
 
 def sampler_hints(plan: RunPlan, weights: int,
@@ -269,11 +255,10 @@ class EngineSetup:
 def engine_setup(plan: RunPlan) -> EngineSetup:
     """The Engine the trainer builds on each host (engine.make_generator: sampler.slots, or that host's
     prompts_per_step / hosts x group_size samples), built under eval_shape over abstract weights on the actor
-    mesh, and its slot state per bank size with the layout the engine's programs give it (a bank starts
-    uncommitted and keeps the layout its first admission returns; observed on a CPU mesh): the KV ring's heads
-    split over `tensor` when their number divides it, else the ring replicated on every actor device (the
-    grouped layout of kv_cache_sharding is no NamedSharding of the actor mesh, so a program cannot return it);
-    every other field replicated."""
+    mesh, and its slot state per bank size in the layout the engine's programs return it in
+    (Engine.slot_shardings: the KV ring as sampler.cache_layout lays it out on the actor mesh, its heads split
+    over `tensor`, each KV head repeated where their number does not divide it; every other field
+    replicated)."""
     config, cfg, mesh = plan.config, plan.config.sampler, plan.actor_mesh
     graphdef, state = plan.actor_params()
     adapter_graphdef, adapters = None, None
@@ -285,7 +270,8 @@ def engine_setup(plan: RunPlan) -> EngineSetup:
 
     def build(state, adapters):
         lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
-        engine = Engine(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, slots=slots, adapters=lora)
+        engine = Engine(nnx.merge(graphdef, state), eos_ids=(0,), pad_id=0, config=cfg, slots=slots, adapters=lora,
+                        mesh=mesh)
         made.append(engine)
         sizes = engine.program_shapes(group)[0]
         return engine._head, {size: engine._empty_state_impl(size, engine.ring) for size in sizes}
@@ -297,16 +283,10 @@ def engine_setup(plan: RunPlan) -> EngineSetup:
     head = jax.ShapeDtypeStruct(
         head.shape, head.dtype,
         sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    split = plan.model.num_kv_heads % mesh.shape["tensor"] == 0
-    cache_sharding = NamedSharding(mesh, PartitionSpec(None, "tensor")) if split else replicated
 
     def place(bank: SlotState) -> SlotState:
-        def sds(x, sharding):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        return SlotState(cache=jax.tree.map(lambda x: sds(x, cache_sharding), bank.cache),
-                         **{f: sds(getattr(bank, f), replicated) for f in SlotState._fields if f != "cache"})
+        return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), bank,
+                            engine.slot_shardings)
 
     sizes, plens, rows = engine.program_shapes(group)
     return EngineSetup(engine, graphdef, state, head, adapters, {size: place(b) for size, b in banks.items()},
@@ -463,7 +443,8 @@ def engine_hints(plan: RunPlan, engine: Engine, weights: int,
              f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len}",
              hints[-1]]
     kv, tensor = plan.model.num_kv_heads, plan.actor_mesh.shape["tensor"]
-    if kv % tensor:
-        hints.append(f"a mesh.actor.tensor that divides num_kv_heads={kv} (now {tensor}: every actor device holds the "
-                     "whole KV ring of its slots)")
+    if tensor > 1 and cache_layout(plan.model, plan.actor_mesh)[1].spec == PartitionSpec():
+        hints.append(f"a mesh.actor.tensor that divides num_kv_heads={kv} or is a multiple of it dividing "
+                     f"num_heads={plan.model.num_heads} (now {tensor}: every actor device holds the whole KV ring "
+                     "of its slots)")
     return tuple(hints)

@@ -13,7 +13,10 @@ compiled for it (the modules beside this one):
   the refusal of a layout that does not fit.
 
 libtpu aborts the process on some layouts (a failed internal check), so compile_run compiles in one child
-process and turns its death by a signal into a one-line CompilerCrash naming the program being compiled.
+process and turns its death by a signal into a one-line CompilerCrash naming the program being compiled. The
+child records each program as it starts and ends (programs.compile_one); the parent prints those as progress
+lines on stderr while it waits (show_progress): the label, the time since the command started, the program's
+compile time and the child's peak host memory so far.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from typing import TextIO
 
 import jax
 import numpy as np
@@ -37,6 +42,7 @@ from grpo_jax.planning.actor_programs import engine_programs, engine_setup, eval
 from grpo_jax.planning.programs import learner_program, sync_parts
 from grpo_jax.planning.report import Report, describe_layout, project_step
 from grpo_jax.planning.topology import tpu_topology
+from grpo_jax.planning.units import size_text
 from grpo_jax.run.config import Config
 from grpo_jax.run.plan import RunPlan, shard_bytes
 
@@ -48,25 +54,39 @@ class CompilerCrash(UserError):
     exit_code = 5
 
 
+PROGRESS_POLL_S = 0.5  # how often the parent looks for new progress lines while the child compiles
+PROGRESS_PREFIX = "grpo-jax compile: "  # every progress line starts so (and no error line does)
+
+
 def compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "", *,
-                isolate: bool = True) -> Report:
+                isolate: bool = True, progress: TextIO | None = None) -> Report:
     """Lay `config` out on the topology as the trainer would and compile every program of a run.
 
     isolate: compile in a child process (one for the whole run), so that libtpu killing it (it aborts on some
     layouts: a failed internal check, SIGABRT) becomes a CompilerCrash naming the program being compiled
     instead of the end of this process. The child sends back the report; its output is kept from the
-    terminal (it is quoted when it fails)."""
+    terminal (it is quoted when it fails). Meanwhile a line per program as it starts and as it ends goes to
+    `progress` (default: sys.stderr; see show_progress)."""
     if not isolate:
         return _compile_run(config, topology_name, chips_per_host, config_path)
+    progress = sys.stderr if progress is None else progress
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="grpo-jax-compile-") as tmp:
         work = pathlib.Path(tmp)
         (work / "args.pkl").write_bytes(pickle.dumps((config, topology_name, chips_per_host, config_path)))
+        shown = 0
         with open(work / "output", "wb") as output:
             child = subprocess.Popen([sys.executable, "-c",
                                       "from grpo_jax.planning.compile import _child_main; _child_main()", str(work)],
                                      stdin=subprocess.DEVNULL, stdout=output, stderr=output)
             try:
-                code = child.wait()
+                code = None
+                while code is None:
+                    try:
+                        code = child.wait(timeout=PROGRESS_POLL_S)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    shown = show_progress(read_progress(work / "progress"), shown, started, progress)
             except BaseException:  # interrupted: take the child down with us
                 child.kill()
                 child.wait()
@@ -79,18 +99,54 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
             # Described devices do not pickle: the child sends the report without its topology, described again
             # here (libtpu describes a slice without compiling anything, which is what crashes).
             return dataclasses.replace(value, topology=tpu_topology(topology_name, chips_per_host))
-        progress = (work / "progress").read_text().splitlines() if (work / "progress").exists() else []
-        program = progress[-1] if progress else ""
+        events = read_progress(work / "progress")
+        program = next((e.label for e in reversed(events) if e.event == "start"), "")
+        peak = max((e.peak_bytes for e in events), default=0)
         text = (work / "output").read_text(errors="replace")
     if code < 0:
-        raise CompilerCrash(crash_message(program, -code, text))
+        raise CompilerCrash(crash_message(program, -code, text, peak))
     raise RuntimeError(f"grpo-jax compile: the compiling process exited with code {code}"
                        f"{' while compiling ' + program if program else ''}; its output:\n{text[-20000:]}")
 
 
-def crash_message(program: str, signum: int, output: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class ProgressEvent:
+    """One line of the child's progress file (programs._record_progress)."""
+
+    event: str  # "start" or "end"
+    label: str  # the program, or the loop body compiled alone for its cost
+    seconds: float  # at its end: the program's compile time
+    peak_bytes: int  # the child's peak host memory (resident set) so far
+
+
+def read_progress(path: pathlib.Path) -> list[ProgressEvent]:
+    """The child's progress events so far: its complete lines (a line being written has no newline yet)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]
+    events = []
+    for line in lines:
+        event, label, seconds, peak = line.split("\t")
+        events.append(ProgressEvent(event, label, float(seconds), int(peak)))
+    return events
+
+
+def show_progress(events: list[ProgressEvent], shown: int, started: float, stream: TextIO) -> int:
+    """Print the events past the first `shown` to `stream`, one line each, and return how many are shown now:
+    e.g. `grpo-jax compile:   41.2 s  learner step: compiled in 27.8 s; host memory peak 3.41GiB` (seconds since
+    the command started; the compiling process's peak resident memory so far)."""
+    for e in events[shown:]:
+        what = "compiling" if e.event == "start" else f"compiled in {e.seconds:.1f} s"
+        stream.write(f"{PROGRESS_PREFIX}{time.monotonic() - started:7.1f} s  {e.label}: {what}; "
+                     f"host memory peak {size_text(e.peak_bytes)}iB\n")
+    stream.flush()
+    return len(events)
+
+
+def crash_message(program: str, signum: int, output: str, peak_bytes: int = 0) -> str:
     """One line: the program whose compile killed the process, the signal, libtpu's failed check if it printed
-    one, that this is a compiler bug (not a memory verdict), and the layouts to try instead."""
+    one, that this is a compiler bug (not a memory verdict), and the layouts to try instead. peak_bytes: the
+    process's peak host memory as last recorded (0: unknown), quoted when it was killed."""
     try:
         name = signal.Signals(signum).name
     except ValueError:
@@ -99,8 +155,9 @@ def crash_message(program: str, signum: int, output: str) -> str:
                   if "Check failed" in line), "")
     where = program or "the first program"
     if signum == signal.SIGKILL:
-        return (f"{where}: the compiling process was killed (SIGKILL) while compiling it, most likely by the "
-                "system for want of host memory (not a verdict on the TPU's memory): compile on a machine with "
+        reached = f", after reaching {size_text(peak_bytes)}iB" if peak_bytes else ""
+        return (f"{where}: the compiling process was killed (SIGKILL) while compiling it{reached}, most likely by "
+                "the system for want of host memory (not a verdict on the TPU's memory): compile on a machine with "
                 "more RAM")
     base = where.split(" (")[0]
     if base.startswith(("learner", "weight sync")):

@@ -16,6 +16,8 @@ import math
 import os
 import pathlib
 import re
+import resource
+import sys
 import time
 
 import jax
@@ -25,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_jax.algorithm.learner import token_logprobs
+from grpo_jax.algorithm.learner import batch_logprobs
 from grpo_jax.model.transformer import DTYPES
 from grpo_jax.planning.topology import Topology
 from grpo_jax.planning.units import size_text
@@ -102,20 +104,28 @@ class Compiled:
     seconds: float
 
 
-# Set in the compiling child process (see compile_run): each compile_one first appends its label here, so
-# that the parent can name the program being compiled when libtpu kills the child.
+# Set in the compiling child process (see compile_run): compile_one appends a line here as each program starts
+# and another as it ends (_record_progress), so that the parent shows the compile's progress as it goes and
+# names the program being compiled when libtpu kills the child.
 PROGRESS: pathlib.Path | None = None
 # Testing hook, honoured only in the child: compile_one os.abort()s at the program with this label, as libtpu
 # does on a failed internal check.
 ABORT_AT_ENV = "GRPO_JAX_COMPILE_ABORT_AT"
 
 
+def _record_progress(event: str, label: str, seconds: float = 0.0) -> None:
+    """One line of PROGRESS, written whole: event ("start" or "end"), label, the program's compile seconds (at its
+    end) and this process's peak host memory so far in bytes, tab-separated (compile.read_progress reads it)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB
+    with open(PROGRESS, "a") as f:
+        f.write(f"{event}\t{' '.join(label.split())}\t{seconds:.3f}\t{peak}\n")
+
+
 def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None, label: str = "") -> Compiled:
     """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`. `label` names the
-    program (or the loop body compiled alone for its cost) in a crash report."""
+    program (or the loop body compiled alone for its cost) in the progress lines and in a crash report."""
     if PROGRESS is not None:
-        with open(PROGRESS, "a") as f:
-            f.write(label.replace("\n", " ") + "\n")
+        _record_progress("start", label)
         if label and os.environ.get(ABORT_AT_ENV) == label:
             os.abort()
     start = time.perf_counter()
@@ -124,8 +134,12 @@ def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = N
     except Exception as e:  # noqa: BLE001 - XlaRuntimeError; only the out-of-memory refusal is an answer
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        if PROGRESS is not None:
+            _record_progress("end", label, time.perf_counter() - start)
         return Compiled(None, None, _refusal_line(str(e)), time.perf_counter() - start)
     seconds = time.perf_counter() - start
+    if PROGRESS is not None:
+        _record_progress("end", label, seconds)
     stats = compiled.memory_analysis()
     memory = Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
                     stats.temp_size_in_bytes, stats.generated_code_size_in_bytes)
@@ -162,13 +176,23 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
                     actor_what: str = "the actor's copy of the weights") -> tuple[Program, dict]:
     """The learner step (RunPlan.learner_step: the program and arguments the trainer runs), compiled.
 
-    Cost: XLA counts each loop body once, so the step's count is one forward micro-batch per forward pass
-    (proximal, reference) + one gradient micro-batch + one optimizer update. The forward micro-batch and
-    the update are compiled on their own; the gradient micro-batch is the rest of the step's count."""
+    Memory: at the most rows a step can have (RunPlan.learner_rows; packed: every completion at
+    max_new_tokens). Cost: at the expected rows (RunPlan.expected_learner_rows: the same without packing or
+    without optim.expected_*_len; else the step compiled again at those rows). XLA counts each loop body once,
+    so the step's count is one forward micro-batch per forward pass (proximal, reference) + one gradient
+    micro-batch + one optimizer update. The forward micro-batch and the update are compiled on their own; the
+    gradient micro-batch is the rest of the step's count."""
     config, learner = plan.config, plan.learner_step
     mesh, optim = plan.learner_mesh, config.optim
     params, opt_state, reference, frozen = learner.params, learner.opt_state, learner.reference, learner.frozen
     whole = compile_one(learner.jitted, learner.args, topology, label="learner step")
+    rows, expected_rows = plan.learner_rows, plan.expected_learner_rows
+    notes = ()
+    if plan.packing:
+        prompt, completion = plan.expected_lengths
+        notes = (f"packed rows of {plan.row_length} tokens: memory at {rows} rows (every completion at "
+                 f"max_new_tokens), time at {expected_rows} (sequences of {prompt} + {completion} tokens, "
+                 "optim.expected_prompt_len / expected_completion_len; 0: the buckets)",)
 
     held, held_what = 0, ""
     if plan.shared:
@@ -179,12 +203,21 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
     hints = learner_hints(plan, sum(state_bytes.values()) + held, topology)
     if whole.memory is None:
         return Program("learner step", mesh.size, None, held, held_what, None, 1, whole.seconds, whole.refusal,
-                       hints), state_bytes
+                       hints, notes=notes), state_bytes
 
-    rows, micro = plan.rows, optim.micro_batch_size
-    forward_rows = micro or rows
-    forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
+    micro = plan.micro_rows
     seconds = whole.seconds
+    costed = whole
+    if expected_rows != rows:
+        costed = compile_one(learner.jitted, learner.args_with(plan.abstract_batch(expected_rows)), topology,
+                             label="learner step (at the expected rows, for its cost)")
+        seconds += costed.seconds
+        if costed.cost is None:
+            return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                            cost_note=f"the step at the expected rows was refused: {costed.refusal}", notes=notes),
+                    state_bytes)
+    forward_rows = micro or expected_rows
+    forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
     forward = Cost(0.0, 0.0, 0.0)
     if forward_passes:
         micro_batch = plan.abstract_batch(forward_rows, _rows_sharding(forward_rows, plan))
@@ -193,8 +226,7 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
         def forward_logprobs(p, f, b):
             model, adapters = (nnx.merge(learner.graphdef, p), None) if f is None else \
                 (nnx.merge(learner.base_graphdef, f), nnx.merge(learner.graphdef, p))
-            return token_logprobs(model, b.tokens, b.input_mask, last=b.completion_len, adapters=adapters,
-                                  chunk=optim.logprob_chunk,
+            return batch_logprobs(model, b, adapters=adapters, chunk=optim.logprob_chunk,
                                   **{**options, "temperature": options["temperature"] or 1.0})[0]
 
         compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
@@ -202,7 +234,8 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
         seconds += compiled.seconds
         if compiled.cost is None:
             return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
-                            cost_note=f"a forward micro-batch alone was refused: {compiled.refusal}"), state_bytes)
+                            cost_note=f"a forward micro-batch alone was refused: {compiled.refusal}", notes=notes),
+                    state_bytes)
         forward = compiled.cost
 
     def update(grads, opt_state, params):
@@ -215,15 +248,17 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
     seconds += compiled.seconds
     if compiled.cost is None:
         return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
-                        cost_note=f"the optimizer update alone was refused: {compiled.refusal}"), state_bytes)
+                        cost_note=f"the optimizer update alone was refused: {compiled.refusal}", notes=notes),
+                state_bytes)
     optimizer_cost = compiled.cost
-    gradient = roofline(max(whole.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
-                        max(whole.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
-    mini_rows = rows // optim.mini_batches
+    gradient = roofline(max(costed.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
+                        max(costed.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
+    mini_rows = expected_rows // optim.mini_batches
     gradient_micros = optim.updates_per_step * (mini_rows // micro if micro else 1)
-    cost = (forward * (forward_passes * (rows // forward_rows)) + gradient * gradient_micros
+    cost = (forward * (forward_passes * (expected_rows // forward_rows)) + gradient * gradient_micros
             + optimizer_cost * optim.updates_per_step)
-    return Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints), state_bytes
+    return (Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints, notes=notes),
+            state_bytes)
 
 
 def _rows_sharding(rows: int, plan: RunPlan) -> NamedSharding:
@@ -249,13 +284,15 @@ def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, .
         return (f"{spread}: parameters and optimizer state alone take {size_text(state)}iB per device",
                 *reference, *lora)
     hints = [] if model_config.remat else ["model.remat=true"]
-    mini_rows = config.grpo.prompts_per_step * config.grpo.group_size // optim.mini_batches
-    micro = optim.micro_batch_size or mini_rows
+    mini_rows = plan.learner_rows // optim.mini_batches
+    micro = plan.micro_rows or mini_rows
     new, vocab = config.sampler.max_new_tokens, model_config.vocab_size
     positions = min(optim.logprob_chunk or new, new)  # the completion positions whose logits exist at once
     if micro > 1:
         smaller = next(m for m in range(micro // 2, 0, -1) if mini_rows % m == 0)
-        hints.append(f"optim.micro_batch_size={smaller} or lower (now {micro}: one micro-batch's float32 logits "
+        key, value = ("micro_batch_tokens", smaller * plan.row_length) if optim.micro_batch_tokens else \
+            ("micro_batch_size", smaller)
+        hints.append(f"optim.{key}={value} or lower (now {micro} rows: one micro-batch's float32 logits "
                      f"chunk, [{micro}, {positions}, {vocab}], is {size_text(4 * micro * positions * vocab)}iB before "
                      "any split)")
     if positions > 16:

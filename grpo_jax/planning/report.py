@@ -27,7 +27,8 @@ class StepProjection:
     overlapped: bool  # actor and learner on disjoint devices with max_staleness >= 1
     seconds: float
     tokens: int  # prompt + completion tokens per step (padded buckets: every completion at max_new_tokens)
-    model_flops: float  # per step, all chips: 6N per trained token, 2N per forward token, attention included
+    model_flops: float  # per step, all chips: 6N per trained token, 2N per forward token, attention included; the
+    # learner's at the expected sequence lengths (optim.expected_*_len): real tokens only
     mfu: float
 
 
@@ -48,13 +49,18 @@ class Report:
 
 def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -> float:
     """Useful FLOPs of one GRPO step, all hosts: 2 per weight per token forward (6 with the backward), plus
-    attention (4 x layers x heads x head_dim per token per key attended), at the padded bucket lengths.
-    Remat's recomputation and replicated work are not useful FLOPs. With LoRA the base's weights get no
-    gradient: 4 per weight per trained token (forward and input gradient); the adapters' few FLOPs are
-    not counted."""
+    attention (4 x layers x heads x head_dim per token per key attended). The learner's over real tokens only:
+    sequences of the expected lengths (optim.expected_prompt_len / expected_completion_len; 0, the default:
+    the padded bucket lengths), whatever the layout computes around them (padding, or packed rows' masked
+    attention); the sampler's at the bucket lengths. Remat's recomputation and replicated work are not useful
+    FLOPs. With LoRA the base's weights get no gradient: 4 per weight per trained token (forward and input
+    gradient); the adapters' few FLOPs are not counted."""
     rows = config.grpo.prompts_per_step * config.grpo.group_size
     prompt = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     new = config.sampler.max_new_tokens
+    optim = config.optim
+    expected_prompt = min(optim.expected_prompt_len or prompt, prompt)
+    expected_new = min(optim.expected_completion_len or new, new)
     head = model.hidden_size * model.vocab_size
     body = param_count - head * (1 if model.tie_embeddings else 2)  # the embedding lookup does no matmul
     attention = 4 * model.num_layers * model.num_heads * model.resolved_head_dim
@@ -62,13 +68,12 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -
     def forward(tokens: int, scored: int, keys: float) -> float:
         return 2 * body * tokens + attention * tokens * keys + 2 * head * scored
 
-    length = prompt + new - 1
-    learner_row = forward(length, new, length / 2)
-    optim = config.optim
+    length = expected_prompt + expected_new - 1
+    learner_row = forward(length, expected_new, length / 2)
     extra_forwards = (optim.updates_per_step > 1) + config.loss.needs_reference
     learner = rows * learner_row * (3 * optim.epochs + extra_forwards)
     if config.lora.enabled:
-        learner -= rows * optim.epochs * (2 * body * length + 2 * head * new)  # no weight gradients
+        learner -= rows * optim.epochs * (2 * body * length + 2 * head * expected_new)  # no weight gradients
     sampler = rows * (forward(prompt, 1, prompt / 2) + (new - 1) * forward(1, 1, prompt + new / 2))
     return learner + sampler
 

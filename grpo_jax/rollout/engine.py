@@ -48,10 +48,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
-from grpo_jax.rollout.sampler import Sampler, SamplerConfig, SampleResult, _bucket, vocab_major_head
+from grpo_jax.rollout.sampler import (
+    Sampler,
+    SamplerConfig,
+    SampleResult,
+    _bucket,
+    cache_layout,
+    vocab_major_head,
+    weights_mesh,
+)
 
 DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
@@ -60,7 +69,8 @@ MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, 
 class SlotState(NamedTuple):
     """One bank's slots on the device (S slots, L ring columns)."""
 
-    cache: tuple  # per layer (k, v), each [S, KV, L, D]: keys/values of each slot's sequence, in ring columns
+    cache: tuple  # per layer (k, v), each [S, C, L, D]: keys/values of each slot's sequence, in ring columns (C:
+    #               the KV heads, or each repeated so that the tensor axis splits them: sampler.cache_layout)
     key_mask: jax.Array  # [S, L] bool: the ring columns that hold a key of the slot's current sequence
     last_token: jax.Array  # [S] int32: the token sampled last, fed to the model at the next step
     position: jax.Array  # [S] int32: RoPE position of last_token (the number of tokens before it)
@@ -160,7 +170,9 @@ class Engine:
     (the actor) drives it."""
 
     def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None,
-                 *, slots: int = 0, adapters: nnx.Module | None = None, version: int = 0):
+                 *, slots: int = 0, adapters: nnx.Module | None = None, version: int = 0, mesh: Mesh | None = None):
+        """mesh: the one the weights are laid out on (default: read from them; None for weights on one device),
+        on which the slot state is laid out (slot_shardings)."""
         self.config = config or SamplerConfig()
         problems = self.config.validate()
         if problems:
@@ -179,12 +191,24 @@ class Engine:
         self.num_banks = min(cfg.decode_streams, total)
         self.bank_slots = -(-total // self.num_banks)  # every bank the same shape: one compiled chunk program
         self.ring = cfg.max_prompt_len + cfg.max_new_tokens
+        mesh = weights_mesh(self.state) if mesh is None else mesh
+        self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
+        self.slot_shardings = None if mesh is None else self._slot_shardings(mesh, model.config.num_layers)
+        # With a mesh, every program returns the slot state in that one layout (the KV ring split as cache_layout
+        # says, everything else replicated), and its tokens replicated: a bank keeps one layout for the whole run.
+        banked, admitted, chunked = {}, {}, {}  # out_shardings of the programs, with a mesh
+        if mesh is not None:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            banked = {"out_shardings": self.slot_shardings}
+            admitted = {"out_shardings": (self.slot_shardings, replicated, replicated)}
+            chunked = {"out_shardings": (self.slot_shardings, replicated, replicated, replicated)}
         self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
-        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=(3,))
-        self._resize = jax.jit(self._resize_impl)
+        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=(3,),
+                              **admitted)
+        self._resize = jax.jit(self._resize_impl, **banked)
         self._chunk = jax.jit(self._chunk_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
-                              donate_argnums=(3,))
-        self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1))
+                              donate_argnums=(3,), **chunked)
+        self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)
         empty = self._empty(self.bank_slots, self.ring)
         self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens)
@@ -199,6 +223,13 @@ class Engine:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.num_banks - 1, 1), thread_name_prefix="engine")
         self.stats = collections.Counter()  # running totals, see metrics()
         self._static: Sampler | None = None  # for generate() while busy, see there
+
+    def _slot_shardings(self, mesh: Mesh, layers: int) -> SlotState:
+        """The slot state's layout on `mesh`: the KV ring as cache_layout says (its heads split over `tensor`, each
+        KV head repeated where their number does not divide it), every other field replicated."""
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return SlotState(cache=((self.cache_sharding,) * 2,) * layers,
+                         **{name: replicated for name in SlotState._fields if name != "cache"})
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -565,7 +596,7 @@ class Engine:
     def _empty_state_impl(self, slots: int, ring: int) -> SlotState:
         self.num_compilations += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, self.state)
-        return SlotState(cache=model.init_cache(slots, ring), key_mask=jnp.zeros((slots, ring), bool),
+        return SlotState(cache=model.init_cache(slots, ring, self.cache_heads), key_mask=jnp.zeros((slots, ring), bool),
                          last_token=jnp.full((slots,), self.pad_id, jnp.int32),
                          position=jnp.zeros((slots,), jnp.int32), generated=jnp.zeros((slots,), jnp.int32),
                          limit=jnp.ones((slots,), jnp.int32), done=jnp.ones((slots,), bool),
@@ -582,6 +613,13 @@ class Engine:
                          generated=state.generated[take], limit=state.limit[take],
                          done=state.done[take] | empty, keys=state.keys[take], clock=state.clock)
 
+    def _pinned(self, cache):
+        """A KV cache (the ring, or an admission's prefill) held in the ring's layout (cache_layout); as it is
+        without a mesh."""
+        if self.cache_sharding is None:
+            return cache
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.cache_sharding), cache)
+
     def _draw(self, keys, index):
         """[S] uniforms: token `index[s]` of slot s draws from fold_in(key[s], index[s]), as in the static sampler."""
         return jax.vmap(lambda k, t: jax.random.uniform(
@@ -596,7 +634,8 @@ class Engine:
         model = nnx.merge(self.graphdef, params)
         lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
         rows, plen = tokens.shape
-        hidden, prefill = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(rows, plen), 0,
+        hidden, prefill = model.hidden_states(tokens, positions_from_mask(mask), mask,
+                                              self._pinned(model.init_cache(rows, plen, self.cache_heads)), 0,
                                               adapters=lora)
         logits = jnp.einsum("ve,re->vr", head, hidden[:, -1], preferred_element_type=jnp.float32)
         token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
@@ -609,7 +648,7 @@ class Engine:
         columns = (clock - plen + jnp.arange(plen)) % ring  # the plen columns before the current one
         at = (slot[:, None], slice(None), columns[None, :], slice(None))
 
-        def place(cache, new):  # new [R, KV, P, D] -> entries' slots; indexing puts [E, P] first: [E, P, KV, D]
+        def place(cache, new):  # new [R, C, P, D] -> entries' slots; indexing puts [E, P] first: [E, P, C, D]
             return cache.at[at].set(new[source].transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
 
         cache = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.cache, prefill))
@@ -661,8 +700,9 @@ class Engine:
             out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, j))
             generated = st.generated + live
             done = st.done | (live & jnp.isin(token, eos)) | (generated >= st.limit)
-            st = st._replace(cache=tuple(cache), key_mask=key_mask, last_token=jnp.where(live, token, st.last_token),
-                             position=st.position + live, generated=generated, done=done, clock=st.clock + 1)
+            st = st._replace(cache=self._pinned(tuple(cache)), key_mask=key_mask,
+                             last_token=jnp.where(live, token, st.last_token), position=st.position + live,
+                             generated=generated, done=done, clock=st.clock + 1)
             return j + 1, st, out_tokens, out_logprobs
 
         def cond(carry):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -46,7 +47,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
-from grpo_jax.model.transformer import positions_from_mask
+from grpo_jax.model.transformer import ModelConfig, positions_from_mask
 
 MIN_PHASE_STEPS = 16  # shorter decode phases save less attention than their extra loop costs to compile
 ENGINES = ("static", "continuous")  # SamplerConfig.engine
@@ -124,6 +125,30 @@ def _phase_ends(new_bucket: int, phases: int) -> list[int]:
     return [new_bucket * (i + 1) // n for i in range(n)]
 
 
+def cache_layout(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> tuple[int, NamedSharding | None]:
+    """The heads of a KV cache ([rows, heads, positions, head_dim], Transformer.init_cache) for weights on `mesh`,
+    and the cache's sharding there (None without a mesh). The query heads are split over the mesh's `tensor` axis
+    (parallel.sharding), and so are the KV heads when their number divides it. When it does not, each KV head is
+    held once per device of the group whose query heads use it (lcm(num_kv_heads, tensor) heads, split over
+    `tensor`), so each device holds only the KV heads it reads: 1/gcd(num_kv_heads, tensor) of the cache instead
+    of all of it (e.g. Qwen2.5-1.5B's 2 KV heads on tensor 4: half). Where the query heads do not split that way
+    either, the cache is replicated."""
+    kv = config.num_kv_heads
+    if mesh is None:
+        return kv, None
+    tensor = mesh.shape.get("tensor", 1)
+    heads = math.lcm(kv, tensor)
+    if config.num_heads % heads:
+        heads = kv
+    return heads, NamedSharding(mesh, PartitionSpec(None, "tensor") if heads % tensor == 0 else PartitionSpec())
+
+
+def weights_mesh(state) -> jax.sharding.Mesh | None:
+    """The mesh weights are laid out on (their first leaf's), or None for weights on one device."""
+    sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
 # ----------------------------------------------------------------------------- the sampler
 
 
@@ -157,6 +182,8 @@ class Sampler:
         leaf = jax.tree.leaves(self.state)[0]
         self.across_hosts = not leaf.sharding.is_fully_addressable
         self._mesh = leaf.sharding.mesh if self.across_hosts else None
+        # The KV cache's heads for the weights' mesh (cache_layout): its layout inside the program is the compiler's.
+        self.cache_heads = cache_layout(model.config, weights_mesh(self.state))[0]
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
                                                            thread_name_prefix="sampler")
 
@@ -297,8 +324,8 @@ class Sampler:
             return out_tok, out_lp, length + (~done).astype(jnp.int32), done | hit, stopped | hit
 
         # Prefill into a prompt-sized cache (attention spans the prompt only); the decode phases grow it.
-        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask, model.init_cache(batch, plen), 0,
-                                            adapters=lora)
+        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask,
+                                            model.init_cache(batch, plen, self.cache_heads), 0, adapters=lora)
         prompt_len = mask.sum(-1).astype(jnp.int32)
 
         def logits(h):  # h: [B, E] -> vocab-major [V, B] (see the module docstring)

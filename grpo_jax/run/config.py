@@ -137,9 +137,10 @@ class Config:
         if rows % mini:
             problems.append(f"optim.mini_batches={mini}: must divide grpo.prompts_per_step * grpo.group_size = "
                             f"{rows} (each update trains an equal share of the rows)")
-        elif micro and (rows // mini) % micro:
+        elif micro and not self.optim.packing and (rows // mini) % micro:
+            # (Packed rows are as many as a step needs, rounded up to what splits: run.plan.packed_row_sizes.)
             problems.append(f"optim.micro_batch_size={micro}: must divide the rows of one mini-batch, "
-                            f"prompts_per_step * group_size / mini_batches = {rows // mini}")
+                            f"prompts_per_step * group_size / mini_batches = {rows // mini} (optim.packing=false)")
         return problems
 
     def actor_across_hosts_problems(self) -> list[str]:

@@ -5,8 +5,10 @@ One place decides, for the trainer (real arrays, this process's devices) and for
 
 - the device cut and the meshes: the actor's (one per host, or one across hosts) and the learner's (one
   across hosts), refused in one line (ConfigError) when the config cannot be laid out on the devices;
-- a step's shapes: each host's prompts, the learner's rows, its fixed prompt and completion buckets (one
-  learner program for the whole run), the engine's slots, the replay buffer's capacity;
+- a step's shapes: each host's prompts, the learner's rows, its fixed prompt and completion buckets, the engine's
+  slots, the replay buffer's capacity; with packing (optim.packing) the packed row counts a run may use
+  (packed_row_sizes: at most optim.packing_buckets learner programs over a run), the largest (every completion
+  at max_new_tokens) for memory and the one at the expected fill (optim.expected_*_len) for the projected time;
 - the layouts: parameters and optimizer state on the learner mesh, the batch split over data x fsdp, the
   actor's copy of the weights on the actor mesh in the dtype it keeps (weight_sync.narrowed);
 - the programs with their arguments: the learner step (as algorithm.learner jits it, with the arguments the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.algorithm.learner import TrainBatch, jit_train_step, make_optimizer, make_train_step
+from grpo_jax.algorithm.learner import (
+    TrainBatch,
+    jit_train_step,
+    make_optimizer,
+    make_train_step,
+    pack_layout,
+    packed_row_sizes,
+    packed_rows_for,
+)
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.lora import LoraConfig, init_adapters
 from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
@@ -70,6 +81,10 @@ class LearnerStep:
     @property
     def params(self):
         return self.args[0]
+
+    def args_with(self, batch: TrainBatch) -> tuple:
+        """The step's arguments with another (abstract) batch."""
+        return (*self.args[:2], batch, *self.args[3:])
 
     @property
     def opt_state(self):
@@ -121,7 +136,27 @@ class RunPlan:
         problem = batch_split_problem(learner_mesh, processes, local_rows, process=process_word)
         if problem:
             raise ConfigError(problem)
-        return cls(config, run_model_config(config), processes, cut, learner_mesh, actor_mesh)
+        plan = cls(config, run_model_config(config), processes, cut, learner_mesh, actor_mesh)
+        problem = plan.micro_batch_problem()
+        if problem:
+            raise ConfigError(problem)
+        return plan
+
+    def micro_batch_problem(self) -> str | None:
+        """Why optim.micro_batch_tokens does not fit this run's rows, or None."""
+        optim, length = self.config.optim, self.row_length
+        if not optim.micro_batch_tokens:
+            return None
+        if optim.micro_batch_tokens < length:
+            return (f"optim.micro_batch_tokens={optim.micro_batch_tokens}: below one learner row of {length} tokens "
+                    f"(prompt bucket {self.prompt_bucket} + completion bucket {self.completion_bucket}); set at "
+                    f"least {length}, or 0")
+        mini_rows = self.rows // optim.mini_batches
+        if not self.packing and mini_rows % self.micro_rows:
+            return (f"optim.micro_batch_tokens={optim.micro_batch_tokens}: {self.micro_rows} rows of {length} tokens "
+                    f"per micro-batch must divide the {mini_rows} rows of a mini-batch (optim.packing=false); set a "
+                    f"multiple of {length} whose row count divides {mini_rows}")
+        return None
 
     # -- a step's shapes --------------------------------------------------------------------------------
 
@@ -171,6 +206,68 @@ class RunPlan:
     @property
     def completion_bucket(self) -> int:
         return self.config.sampler.max_new_tokens
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per learner row, padded or packed: prompt bucket + completion bucket."""
+        return self.prompt_bucket + self.completion_bucket
+
+    @property
+    def micro_rows(self) -> int:
+        """Learner rows per micro-batch (0: a whole mini-batch)."""
+        return self.config.optim.micro_batch_rows(self.row_length)
+
+    # -- packed rows (optim.packing) --------------------------------------------------------------------
+
+    @property
+    def packing(self) -> bool:
+        return self.config.optim.packing
+
+    @property
+    def packed_row_unit(self) -> int:
+        """Each process's packed row count is a multiple of this: of the mini-batches (each has its rows, see
+        learner.pack_layout), of the rows a micro-batch takes from every process's share of a mini-batch, and of
+        the process's batch devices (data x fsdp / processes)."""
+        mini, micro = self.config.optim.mini_batches, self.micro_rows or 1
+        local_devices = max(self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"] // self.processes, 1)
+        return math.lcm(mini * micro // math.gcd(micro, self.processes), local_devices)
+
+    @property
+    def packed_row_sizes(self) -> tuple[int, ...]:
+        """The packed row counts (per process) a run may use, smallest first: the largest holds the worst case,
+        every sequence alone in a row."""
+        mini, unit = self.config.optim.mini_batches, self.packed_row_unit
+        local_sequences = self.local_prompts * self.config.grpo.group_size
+        most = -(-mini * -(-local_sequences // mini) // unit) * unit
+        return packed_row_sizes(most, unit, self.config.optim.packing_buckets)
+
+    def packed_rows(self, needed: int) -> int:
+        """The per-process packed row count a step uses when the process that needs the most needs `needed`."""
+        return packed_rows_for(needed, self.packed_row_sizes)
+
+    @property
+    def expected_lengths(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the expected sequence (optim.expected_*_len; 0: the buckets)."""
+        optim = self.config.optim
+        return (min(optim.expected_prompt_len or self.prompt_bucket, self.prompt_bucket),
+                min(optim.expected_completion_len or self.completion_bucket, self.completion_bucket))
+
+    @property
+    def learner_rows(self) -> int:
+        """The learner batch's rows, all processes, at their most: one per sequence, or the largest packed size."""
+        return self.processes * self.packed_row_sizes[-1] if self.packing else self.rows
+
+    @property
+    def expected_learner_rows(self) -> int:
+        """The learner batch's rows, all processes, when every sequence has the expected lengths (packed: each
+        process's sequences packed by learner.pack_layout, then rounded up to a size; padded: one per sequence)."""
+        if not self.packing:
+            return self.rows
+        prompt, completion = self.expected_lengths
+        sequences = self.local_prompts * self.config.grpo.group_size
+        layout = pack_layout([prompt] * sequences, [max(completion, 1)] * sequences, self.row_length,
+                             self.completion_bucket, self.config.optim.mini_batches)
+        return self.processes * self.packed_rows(layout.rows)
 
     @property
     def buffer_capacity(self) -> int:
@@ -250,14 +347,21 @@ class RunPlan:
         return jax.tree_util.tree_map_with_path(place, shapes)
 
     def abstract_batch(self, rows: int | None = None, sharding: NamedSharding | None = None) -> TrainBatch:
-        """A TrainBatch of ShapeDtypeStructs as learner.pack_batch lays it out (default: a whole step's rows,
-        split as the trainer commits them)."""
-        rows = self.rows if rows is None else rows
-        length = self.prompt_bucket + self.completion_bucket
+        """A TrainBatch of ShapeDtypeStructs as the trainer lays it out: learner.pack_sequences's packed rows with
+        optim.packing, else learner.pack_batch's (default: the most rows a step can have, learner_rows, split as
+        the trainer commits them)."""
+        rows = self.learner_rows if rows is None else rows
+        length = self.row_length
 
         def sds(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.batch_sharding)
 
+        if self.packing:
+            return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.int32),
+                              loss_mask=sds((rows, length - 1), jnp.float32),
+                              advantages=sds((rows, length // 2), jnp.float32),
+                              behaviour_logprobs=sds((rows, length - 1), jnp.float32),
+                              scored_positions=sds((rows, self.completion_bucket), jnp.int32))
         return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.bool_),
                           loss_mask=sds((rows, length - 1), jnp.float32), advantages=sds((rows,), jnp.float32),
                           behaviour_logprobs=sds((rows, length - 1), jnp.float32),

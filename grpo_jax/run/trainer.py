@@ -40,7 +40,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.algorithm.learner import Learner, mini_batch_of_row, pack_batch
+from grpo_jax.algorithm.learner import (
+    Learner,
+    TrainBatch,
+    mini_batch_of_row,
+    pack_batch,
+    pack_layout,
+    pack_sequences,
+    padding_fraction,
+    sequence_lengths,
+)
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
@@ -924,7 +933,17 @@ class Trainer:
         for row in self.evaluation.finished():
             writer.write_eval(row)
 
-    def _learn(self, groups: list[Group], step: int) -> dict:
+    def learner_batch(self, groups: list[Group]) -> tuple[TrainBatch, dict]:
+        """This process's part of a step's learner batch (NumPy), and its padding metrics.
+
+        Its sequences are the groups' rows (group_rows), then empty ones up to a whole step (the last step of
+        a finite dataset), sequence i being the step's sequence P x rows + i. optim.packing: packed rows
+        (learner.pack_sequences), every process the same number of them (the most any needs, agreed, rounded up
+        to one of RunPlan.packed_row_sizes, so a run compiles a few programs); else one sequence per row
+        (pack_batch). learner/padding_fraction: the share of the token slots one sequence per row would use
+        that hold no token of a trained sequence (padding, rows that train nothing);
+        learner/padding_fraction_packed: the same for the rows the learner gets (equal without packing);
+        learner/rows: their number (this process's)."""
         g = self.config.grpo.group_size
         prompts, completions, logprobs, advantages = group_rows(groups, g)
         full = self.local_prompts * g
@@ -934,11 +953,33 @@ class Trainer:
             completions += [np.zeros(0, np.int32)] * missing
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
-        batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
-                           self.prompt_bucket, self.completion_bucket, valid=row_validity(groups, g, len(prompts)))
+        valid = row_validity(groups, g, len(prompts))
+        prompt_lengths, completion_lengths = sequence_lengths(prompts, completions, valid)
+        trained_tokens = int((prompt_lengths + completion_lengths)[completion_lengths > 0].sum())
+        plan, length = self.plan, self.plan.row_length
+        if plan.packing:
+            layout = pack_layout(prompt_lengths, completion_lengths, length, self.completion_bucket,
+                                 self.config.optim.mini_batches, first_sequence=self.process_index * full)
+            # Every process feeds the same number of rows: the most any needs (gathers run in the same order
+            # everywhere: every process learns every step).
+            rows = plan.packed_rows(int(self.agreement.gather([layout.rows]).max()))
+            batch = pack_sequences(prompts, completions, logprobs, advantages, self.tokenizer.pad_id, length,
+                                   self.completion_bucket, self.config.optim.mini_batches, layout=layout, rows=rows)
+        else:
+            rows = full
+            batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
+                               self.prompt_bucket, self.completion_bucket, valid=valid)
+        return batch, {"learner/padding_fraction": padding_fraction(trained_tokens, full, length),
+                       "learner/padding_fraction_packed": padding_fraction(trained_tokens, rows, length),
+                       "learner/rows": rows}
+
+    def _learn(self, groups: list[Group], step: int) -> dict:
+        g = self.config.grpo.group_size
+        batch, padding = self.learner_batch(groups)
         batch = self.device_batch(batch)
         learn_start = time.perf_counter()
         metrics, applied = self.learner.step(batch)
+        metrics.update(padding)
         learn_seconds = time.perf_counter() - learn_start
         self.version += 1
         trained = self._groups_trained(len(groups), applied)
@@ -983,8 +1024,10 @@ class Trainer:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
     def _groups_trained(self, num_groups: int, applied: np.ndarray) -> list[bool]:
-        """Per group of this process: whether at least one update over its rows was applied. Row r of
-        this process is global row P * rows_per_process + r; update u trains mini-batch u % mini_batches."""
+        """Per group of this process: whether at least one update over its rows was applied. Row (sequence) r of
+        this process is the step's sequence P * rows_per_process + r, in mini-batch (P * rows_per_process + r) %
+        mini_batches in either layout (packed rows keep it: learner.pack_layout); update u trains mini-batch u %
+        mini_batches."""
         mini_batches, g = self.config.optim.mini_batches, self.config.grpo.group_size
         applied_minis = {u % mini_batches for u in np.flatnonzero(applied)}
         first_row = self.process_index * self.local_prompts * g
