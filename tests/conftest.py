@@ -95,11 +95,12 @@ def small_disk(tmp_path, request):
 # The README's test command runs the suite on two pytest-xdist workers (--dist loadgroup): each test goes to
 # whichever worker is free, except the modules below, whose module fixtures compile for a TPU topology or train
 # a run (half a minute to a minute each), which a split between workers would pay twice.
-ONE_WORKER_MODULES = {"test_compile", "test_plan", "test_evaluation", "test_engine", "test_sampler", "test_hf"}
+ONE_WORKER_MODULES = {"test_compile", "test_fit", "test_plan", "test_evaluation", "test_engine", "test_sampler",
+                      "test_hf"}
 # The longest modules start first, so that neither worker is left alone with one of them at the end
 # (`--durations=20` at the end of the run shows the slowest tests).
-LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_warm_start", "test_resume_e2e", "test_plan", "test_lora",
-                 "test_evaluation", "test_trainer"]
+LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_fit", "test_warm_start", "test_resume_e2e", "test_plan",
+                 "test_lora", "test_evaluation", "test_trainer"]
 
 
 def pytest_collection_modifyitems(config, items):
