@@ -92,21 +92,18 @@ def small_disk(tmp_path, request):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-# The README's test command runs the suite on two pytest-xdist workers (--dist loadgroup): each test goes to
-# whichever worker is free, except the modules below, whose module fixtures compile for a TPU topology or train
-# a run (half a minute to a minute each), which a split between workers would pay twice.
-ONE_WORKER_MODULES = {"test_compile", "test_fit", "test_plan", "test_evaluation", "test_engine", "test_sampler",
-                      "test_hf"}
-# The longest modules start first, so that neither worker is left alone with one of them at the end
-# (`--durations=20` at the end of the run shows the slowest tests).
-LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_fit", "test_warm_start", "test_resume_e2e", "test_plan",
-                 "test_lora", "test_evaluation", "test_trainer"]
+# The README's test command runs the suite on two pytest-xdist workers with `--dist loadfile`: a module's tests
+# all go to one worker, so its module fixtures (a TPU compile, a trained run: half a minute to two minutes
+# each) are built once. (`--dist loadgroup` with xdist_group marks did not group them: pytest-xdist 3.8 renames
+# node ids through an attribute pytest 9.2 no longer reads, so each test went to either worker and both paid
+# for the fixtures.) `--no-loadscope-reorder` keeps the order below, longest modules first (measured with
+# `--durations=0`), so that neither worker is left alone with a long one at the end; and the several-process
+# runs of test_multiprocess stay on one worker, never two of them at once on the machine's 2 cores.
+LONGEST_FIRST = ["test_multiprocess", "test_learner", "test_compile", "test_weight_sync", "test_fit", "test_lora",
+                 "test_warm_start", "test_plan", "test_packing", "test_evaluation", "test_trainer", "test_engine",
+                 "test_resume_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        name = item.module.__name__
-        if name in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(name))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: modules stay contiguous

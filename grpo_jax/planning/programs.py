@@ -205,6 +205,11 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
         return Program("learner step", mesh.size, None, held, held_what, None, 1, whole.seconds, whole.refusal,
                        hints, notes=notes), state_bytes
 
+    def uncosted(seconds: float, why: str, refusal: str):
+        # The whole step compiled (its memory stands) but a part compiled for its cost was refused.
+        return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
+                        cost_note=f"{why} was refused: {refusal}", notes=notes), state_bytes)
+
     micro = plan.micro_rows
     seconds = whole.seconds
     costed = whole
@@ -213,9 +218,7 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
                              label="learner step (at the expected rows, for its cost)")
         seconds += costed.seconds
         if costed.cost is None:
-            return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
-                            cost_note=f"the step at the expected rows was refused: {costed.refusal}", notes=notes),
-                    state_bytes)
+            return uncosted(seconds, "the step at the expected rows", costed.refusal)
     forward_rows = micro or expected_rows
     forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
     forward = Cost(0.0, 0.0, 0.0)
@@ -233,9 +236,7 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
                                label="learner step (a forward micro-batch alone, for its cost)")
         seconds += compiled.seconds
         if compiled.cost is None:
-            return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
-                            cost_note=f"a forward micro-batch alone was refused: {compiled.refusal}", notes=notes),
-                    state_bytes)
+            return uncosted(seconds, "a forward micro-batch alone", compiled.refusal)
         forward = compiled.cost
 
     def update(grads, opt_state, params):
@@ -247,9 +248,7 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
                            label="learner step (the optimizer update alone, for its cost)")
     seconds += compiled.seconds
     if compiled.cost is None:
-        return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
-                        cost_note=f"the optimizer update alone was refused: {compiled.refusal}", notes=notes),
-                state_bytes)
+        return uncosted(seconds, "the optimizer update alone", compiled.refusal)
     optimizer_cost = compiled.cost
     gradient = roofline(max(costed.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
                         max(costed.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
