@@ -11,6 +11,7 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -50,8 +51,34 @@ def tiny_engine(*overrides: str) -> Config:
 
 
 @pytest.fixture(scope="module")
-def one_host():
-    return compile_run(tiny(), "v5e:2x2", isolate=False)
+def one_host_and_cache(tmp_path_factory):
+    """The report, compiled in this process with a persistent compilation cache that a CPU program has already
+    used (JAX decides once per process whether it uses the cache); and the cache's entries before and after."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    cache_dir, before_dir = tmp_path_factory.mktemp("xla_cache"), jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    compilation_cache.reset_cache()
+    try:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0)).block_until_ready()
+        before = sorted(p.name for p in cache_dir.iterdir())
+        report = compile_run(tiny(), "v5e:2x2", isolate=False)
+        return report, before, sorted(p.name for p in cache_dir.iterdir())
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before_dir)
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def one_host(one_host_and_cache):
+    return one_host_and_cache[0]
+
+
+def test_a_tpu_compile_leaves_the_persistent_cache_alone(one_host_and_cache):
+    # Executables for a described topology cannot be loaded back (no TPU client): written, they would only cost
+    # time and warn on every later read.
+    _, before, after = one_host_and_cache
+    assert before and after == before
 
 
 TWO_HOSTS = ["mesh.learner.fsdp=4"]  # two learner devices on each host

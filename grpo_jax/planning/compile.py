@@ -34,6 +34,7 @@ from typing import TextIO
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache.compilation_cache import reset_cache as reset_compilation_cache
 
 from grpo_jax.errors import UserError
 from grpo_jax.model.transformer import DTYPES
@@ -200,9 +201,11 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
         actor_bytes += setup.state_bytes
         actor_what += " and its engine's slot state"
     # A persistent compilation cache cannot load executables compiled for a described topology (there is no
-    # TPU client): it would only write entries and warn.
+    # TPU client): it would only write entries and warn. JAX decides once per process whether it uses the cache,
+    # so turning it off takes a reset too (and one after, for the process's own compiles).
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_compilation_cache()
     try:
         learner, learner_state = learner_program(plan, topology, actor_bytes, actor_what)
         if setup is not None:
@@ -215,6 +218,7 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
         stage, transfers = sync_parts(plan, topology, learner_state, actor_bytes, actor_what)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
+        reset_compilation_cache()
     compiled = [learner, *actor, *stage]
     step = project_step(plan, param_count, topology, compiled, transfers)
     return Report(config_path, topology, model, param_count, describe_layout(plan), tuple(compiled),
