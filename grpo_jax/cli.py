@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import sys
 import time
@@ -124,13 +125,26 @@ def cmd_generate(args) -> None:
           f"({generated / max(elapsed, 1e-9):.0f} tokens/s, compilation included)", file=sys.stderr)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when a line is logged. logging.StreamHandler() keeps the stream it
+    was made with: main() called again in one process with stderr redirected (contextlib.redirect_stderr, a
+    notebook cell, a test's capture) would write to the first stderr, closed by then, and print 'Logging error'
+    with a traceback instead of the line."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass  # StreamHandler.__init__ and setStream assign it: the current sys.stderr is always used
+
+
 def show_trainer_log() -> None:
     """grpo_jax's own INFO lines (resume, data exhausted, ...) on stderr; other libraries stay at their level."""
-    import logging
-
     log = logging.getLogger("grpo_jax")
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

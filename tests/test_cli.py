@@ -118,3 +118,31 @@ def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USER_ERROR and err == [f"grpo-jax: error: {prompts}:2: not UTF-8 text (byte offset 9); save "
                                                "the file as UTF-8"], err
+
+
+def test_the_trainer_log_follows_stderr_when_main_runs_again_with_stderr_redirected():
+    # main() called twice in one process, each time with its own stderr (as a notebook or a test does): the log
+    # lines go to the current one, not to the first, closed by then.
+    import contextlib
+    import io
+    import logging
+
+    from grpo_jax.cli import show_trainer_log
+
+    log = logging.getLogger("grpo_jax")
+    handlers = list(log.handlers)
+    log.handlers.clear()
+    try:
+        first = io.StringIO()
+        with contextlib.redirect_stderr(first):
+            show_trainer_log()
+            log.info("one")
+        first.close()
+        second = io.StringIO()
+        with contextlib.redirect_stderr(second):
+            show_trainer_log()
+            log.info("two")
+        assert second.getvalue().rstrip().endswith("INFO grpo_jax: two")
+        assert "Logging error" not in second.getvalue()
+    finally:
+        log.handlers[:] = handlers

@@ -354,4 +354,10 @@ def test_the_evaluation_after_the_last_step_is_written_with_the_continuous_engin
                  "model.intermediate_size=64", "model.num_layers=1", "grpo.group_size=4",
                  "grpo.prompts_per_step=4"]) == 0
     rows = read_jsonl(tmp_path / "eval.jsonl")
-    assert [r["step"] for r in rows] == [0, 2, 4] and rows[-1]["eval/requested_step"] == 4
+    steps, requested = [r["step"] for r in rows], [r["eval/requested_step"] for r in rows]
+    # Requested at 0, 2 and 4. Each runs on the actor with the weights it holds then, those of its request or newer
+    # (async: the actor may have taken step 3's weights before it runs the request of step 2), and weights already
+    # evaluated are not evaluated again; the last evaluation is of the final weights.
+    assert steps[0] == 0 and steps[-1] == 4 and steps == sorted(set(steps)), rows
+    assert requested == sorted(set(requested)) and set(requested) <= {0, 2, 4}, rows
+    assert all(step >= asked for step, asked in zip(steps, requested)), rows
