@@ -1,11 +1,14 @@
 """The grpo-jax command line as a user runs it: the README's main job, and one-line errors for bad input."""
 
+import contextlib
+import io
 import json
+import logging
 import pathlib
 
 import pytest
 
-from grpo_jax.cli import EXIT_USER_ERROR, main
+from grpo_jax.cli import EXIT_USER_ERROR, main, show_trainer_log
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
@@ -123,12 +126,6 @@ def test_a_prompt_file_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp
 def test_the_trainer_log_follows_stderr_when_main_runs_again_with_stderr_redirected():
     # main() called twice in one process, each time with its own stderr (as a notebook or a test does): the log
     # lines go to the current one, not to the first, closed by then.
-    import contextlib
-    import io
-    import logging
-
-    from grpo_jax.cli import show_trainer_log
-
     log = logging.getLogger("grpo_jax")
     handlers = list(log.handlers)
     log.handlers.clear()
