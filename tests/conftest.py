@@ -2,12 +2,16 @@
 
 import os
 
-# XLA's CPU backend at LLVM's lowest optimisation level: the suite's programs are tiny, so compiling them costs
-# far more than running them (test_trainer.py: 263 s with a cold compilation cache, 90 s warm), and level 0
-# compiles them faster (204 s cold; measured with the default level and with 0 in one session). The programs
-# compute the same operations in the same order (no fast-math either way); the speed of the compiled code is
-# measured by tools/, not by tests. Processes the tests start get it too (xla_flags).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA's CPU backend set to compile fast: the suite's programs are tiny, so compiling them costs far more than
+# running them. LLVM's lowest optimisation level (test_trainer.py: 263 s with a cold compilation cache at the
+# default level, 204 s at 0), and fusions emitted by the older elemental emitters run by the older runtime
+# (XLA's new fusion emitters and thunk runtime make codegen slower: a learner step of the tiny test model
+# compiled in 6.0 s, now 2.6 s; 200 small slicing programs in 13.1 s, now 8.1 s; the whole suite on two workers
+# 2,066 s before these two flags, 1,474 s with them and one test's reference jitted). Either way the programs
+# compute the same operations (no fast-math); the speed of compiled code is measured by tools/, not by tests.
+# Processes the tests start get the same flags (xla_flags).
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_use_thunk_runtime=false")
 
 
 def xla_flags(devices: int) -> str:
@@ -23,6 +27,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + TEST_XLA_FLAGS
 
 import atexit
+import functools
 import pathlib
 import shutil
 import tempfile
@@ -38,7 +43,47 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+
+def _share_cached_programs_between_devices() -> None:
+    """One persistent-cache entry for a program whatever CPU devices it runs on, in the test processes. JAX
+    leaves the device assignment out of the cache key on GPU only: on CPU the same tiny program placed on device
+    3 instead of device 0 (a weight-sync slice per device, an actor on devices 0-1 in one test and 4-5 in the
+    next) compiles again. Loaded from the cache, an executable gets the devices and the assignment it is called
+    with (jax's `deserialize_executable`), as on GPU. Processes the tests start do not import this file: they
+    key as JAX does. jax is pinned; should the private hook move, the suite only compiles more."""
+    import inspect
+
+    from jax._src import cache_key
+
+    hash_options = cache_key._hash_serialized_compile_options
+    if "strip_device_assignment" not in inspect.signature(hash_options).parameters:
+        return
+
+    def without_device_assignment(hash_obj, compile_options, strip_device_assignment=False):
+        return hash_options(hash_obj, compile_options, strip_device_assignment=True)
+
+    cache_key._hash_serialized_compile_options = without_device_assignment
+
+
+_share_cached_programs_between_devices()
+
 import pytest
+
+
+@functools.cache
+def _jitted_token_logprobs():
+    from flax import nnx
+
+    from grpo_jax.algorithm.learner import token_logprobs
+    return nnx.jit(token_logprobs, static_argnames=("with_entropy", "last", "temperature", "top_k", "top_p", "chunk"))
+
+
+def jitted_token_logprobs(model, tokens, input_mask, **options):
+    """grpo_jax's token_logprobs as one compiled program, for the tests' checks. Called outside jit it runs
+    operation by operation, each compiled for its shapes on first use: a few hundred small compilations for
+    every new batch shape (half a minute of a check's time on this machine's 2 cores)."""
+    return _jitted_token_logprobs()(model, tokens, input_mask, **options)
+
 
 GSM8K_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 
@@ -99,9 +144,9 @@ def small_disk(tmp_path, request):
 # for the fixtures.) `--no-loadscope-reorder` keeps the order below, longest modules first (measured with
 # `--durations=0`), so that neither worker is left alone with a long one at the end; and the several-process
 # runs of test_multiprocess stay on one worker, never two of them at once on the machine's 2 cores.
-LONGEST_FIRST = ["test_multiprocess", "test_learner", "test_compile", "test_weight_sync", "test_fit", "test_lora",
-                 "test_warm_start", "test_plan", "test_packing", "test_evaluation", "test_trainer", "test_engine",
-                 "test_resume_e2e"]
+LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_lora", "test_learner", "test_fit", "test_weight_sync",
+                 "test_warm_start", "test_trainer", "test_evaluation", "test_engine", "test_checkpoint",
+                 "test_resume_e2e", "test_packing", "test_checkpoint_faults", "test_plan", "test_run_dir_faults"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,7 +19,7 @@ from grpo_jax.cli import main
 from grpo_jax.config_io import load_config
 from grpo_jax.errors import CheckpointError, ConfigError
 from grpo_jax.model.hf import checkpoint_config, load_hf_model
-from grpo_jax.model.transformer import DTYPES, Transformer
+from grpo_jax.model.transformer import DTYPES, abstract_model
 from grpo_jax.planning.actor_programs import engine_setup
 from grpo_jax.planning.compile import PROGRESS_PREFIX, CompilerCrash, compile_run
 from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
@@ -122,7 +122,7 @@ def engine_two_hosts(engine_two_hosts_run):
 
 
 def param_bytes(config: Config) -> int:
-    model = nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))
+    model = abstract_model(config.model)
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
 
 
@@ -205,7 +205,7 @@ def test_two_hosts_stage_a_narrow_copy_per_host_for_the_actor(two_hosts):
 
 def staged_group_bytes(config: Config, sync: WeightSync) -> list:
     """The bytes (in the dtype sent) of each group of leaves the sync stages one after the other."""
-    leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))))
+    leaves = jax.tree.leaves(nnx.state(abstract_model(config.model)))
     sizes = [math.prod(x.shape) * narrowed(x.dtype, sync.compute_dtype).itemsize for x in leaves]
     return [sum(sizes[g]) for g in sync.group_slices(leaves)]
 
@@ -304,7 +304,7 @@ PUBLISHED = {  # parameter counts of the public checkpoints
 def test_shape_files_describe_the_public_models_without_weights(name):
     directory = SHAPES / name
     config = checkpoint_config(directory)
-    model = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
+    model = abstract_model(config)
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)))
     assert count == pytest.approx(PUBLISHED[name], rel=2e-3)
     assert json.loads((directory / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -131,3 +131,18 @@ def test_docs_home_has_the_readme_quick_start_command():
     readme = command.findall((ROOT / "README.md").read_text())
     assert len(readme) == 1
     assert command.findall((DOCS / "index.md").read_text()) == readme
+
+
+# ARCHITECTURE.md names the tests that guard each invariant: `test_x.py::test_name`, then `::other_name` for
+# more in the same module.
+TEST_REFERENCE = re.compile(r"`(test_\w+\.py)?::(\w+)")
+
+
+def test_every_test_architecture_names_exists():
+    text, module, missing = (ROOT / "ARCHITECTURE.md").read_text(), None, []
+    for file, name in TEST_REFERENCE.findall(text):
+        module = file or module
+        assert module, f"ARCHITECTURE.md: `::{name}` names no module before it"
+        if not re.search(rf"^def {name}\(", (ROOT / "tests" / module).read_text(), re.MULTILINE):
+            missing.append(f"{module}::{name}")
+    assert not missing, f"ARCHITECTURE.md names tests that do not exist: {missing}"

@@ -14,7 +14,8 @@ import scipy.stats
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from grpo_jax.algorithm.learner import pack_batch, token_logprobs
+from conftest import jitted_token_logprobs
+from grpo_jax.algorithm.learner import pack_batch
 from grpo_jax.algorithm.losses import LossConfig, policy_loss
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module
 from grpo_jax.rollout.engine import Engine
@@ -282,7 +283,7 @@ def test_inflight_updates_tag_tokens_and_behaviour_logprobs(engine, model):
     mask = np.asarray(batch.loss_mask) > 0
     np.testing.assert_array_equal(np.asarray(batch.behaviour_logprobs)[mask],
                                   np.concatenate([lp for result in results for lp in result.logprobs]))
-    proximal = np.asarray(token_logprobs(model, batch.tokens, batch.input_mask)[0])  # the learner holds A
+    proximal = np.asarray(jitted_token_logprobs(model, batch.tokens, batch.input_mask)[0])  # the learner holds A
     _, metrics = policy_loss(jnp.asarray(proximal), jnp.asarray(proximal), batch.behaviour_logprobs, None,
                              batch.advantages, batch.loss_mask, LossConfig(off_policy="tis"))
     weight = np.exp(proximal - np.asarray(batch.behaviour_logprobs))

@@ -28,7 +28,7 @@ from grpo_jax.model.hf import (
     save_hf_model,
 )
 from grpo_jax.model.safetensors_io import SafetensorsFile, load_file, save_file
-from grpo_jax.model.transformer import ModelConfig, Transformer, param_dict, positions_from_mask
+from grpo_jax.model.transformer import ModelConfig, abstract_model, param_dict, positions_from_mask
 
 torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
@@ -281,7 +281,7 @@ def test_architecture_conflicts_name_only_keys_set_to_other_values():
 
 def _random_model(cfg: ModelConfig, seed: int = 0):
     """Random values into an abstract model: create_model's eager init takes seconds on CPU."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = abstract_model(cfg)
     rng = np.random.default_rng(seed)
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):

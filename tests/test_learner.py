@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jitted_token_logprobs
 from grpo_jax.algorithm.learner import (
     Learner,
     NonFiniteError,
@@ -16,7 +17,6 @@ from grpo_jax.algorithm.learner import (
     TrainBatch,
     learning_rate_schedule,
     pack_batch,
-    token_logprobs,
 )
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model.transformer import ModelConfig, create_model
@@ -133,7 +133,7 @@ def test_kl_to_reference_is_zero_at_start_and_skipped_when_off():
 def test_token_logprobs_match_log_softmax_of_full_forward():
     model = create_model(MODEL, seed=3)
     batch = random_batch(6)
-    logprobs, entropy = token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=True)
+    logprobs, entropy = jitted_token_logprobs(model, batch.tokens, batch.input_mask, with_entropy=True)
     from grpo_jax.model.transformer import positions_from_mask
     logits, _ = model(batch.tokens, positions_from_mask(batch.input_mask), batch.input_mask)
     logp_all = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -180,7 +180,20 @@ def reference_learner_step(model, batch: TrainBatch, optim: OptimConfig, loss: L
     AdamW in NumPy (float64)."""
     graphdef, params = nnx.split(model)
     size = batch.advantages.shape[0]
-    old = full_forward_logprobs(graphdef, params, batch, np.arange(size), temperature)
+    # jitted (one program each, not one per operation): the reference's math is the same either way
+    old = jax.jit(full_forward_logprobs, static_argnums=(0, 4))(graphdef, params, batch, np.arange(size), temperature)
+
+    @jax.jit
+    def mini_batch_grads(params, batch, rows):
+        def loss_fn(params):
+            logp = full_forward_logprobs(graphdef, params, batch, rows, temperature)
+            mask, adv = batch.loss_mask[rows], batch.advantages[rows][:, None]
+            ratio = jnp.exp(logp - old[rows])
+            objective = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - loss.clip_low, 1 + loss.clip_high) * adv)
+            weight = jnp.minimum(jnp.exp(old[rows] - batch.behaviour_logprobs[rows]), loss.tis_cap)
+            return jnp.sum(-objective * weight * mask) / jnp.sum(mask)
+        return jax.grad(loss_fn)(params)
+
     flat, treedef = jax.tree.flatten(params)
     p = [np.asarray(x, np.float64) for x in flat]
     m1 = [np.zeros_like(x) for x in p]
@@ -189,17 +202,8 @@ def reference_learner_step(model, batch: TrainBatch, optim: OptimConfig, loss: L
     for _ in range(optim.epochs):
         for mini in range(optim.mini_batches):
             rows = np.arange(mini, size, optim.mini_batches)
-
-            def loss_fn(params):
-                logp = full_forward_logprobs(graphdef, params, batch, rows, temperature)
-                mask, adv = batch.loss_mask[rows], batch.advantages[rows][:, None]
-                ratio = jnp.exp(logp - old[rows])
-                objective = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - loss.clip_low, 1 + loss.clip_high) * adv)
-                weight = jnp.minimum(jnp.exp(old[rows] - batch.behaviour_logprobs[rows]), loss.tis_cap)
-                return jnp.sum(-objective * weight * mask) / jnp.sum(mask)
-
-            grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(jax.grad(loss_fn)(
-                jax.tree.unflatten(treedef, [jnp.asarray(x, jnp.float32) for x in p])))]
+            grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(mini_batch_grads(
+                jax.tree.unflatten(treedef, [jnp.asarray(x, jnp.float32) for x in p]), batch, rows))]
             norm = np.sqrt(sum(np.sum(g * g) for g in grads))
             grads = [g * min(1.0, optim.grad_clip / norm) for g in grads]
             count += 1
@@ -244,7 +248,7 @@ def test_mini_batches_make_the_clip_act():
 def test_token_logprobs_use_the_temperature(temperature):
     model = create_model(MODEL, seed=3)
     batch = random_batch(6)
-    logprobs, _ = token_logprobs(model, batch.tokens, batch.input_mask, temperature=temperature)
+    logprobs, _ = jitted_token_logprobs(model, batch.tokens, batch.input_mask, temperature=temperature)
     graphdef, params = nnx.split(model)
     expected = full_forward_logprobs(graphdef, params, batch, np.arange(4), temperature)
     mask = np.asarray(batch.loss_mask) > 0
@@ -413,9 +417,9 @@ def test_importance_weight_is_one_at_staleness_zero_with_top_p_and_top_k(top_k, 
     batch = pack_batch(prompts, completions, behaviour, rng.normal(size=size), 0, PROMPT_LEN, COMPLETION_LEN)
     mask = np.asarray(batch.loss_mask) > 0
     learner = Learner(model, OptimConfig(lr=1e-3), LossConfig(), temperature=temperature, top_k=top_k, top_p=top_p)
-    own = token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature, top_k=top_k,
+    own = jitted_token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature, top_k=top_k,
                          top_p=top_p)[0]
-    untruncated = token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature)[0]
+    untruncated = jitted_token_logprobs(learner.model(), batch.tokens, batch.input_mask, temperature=temperature)[0]
     gap = np.abs(np.asarray(own) - np.asarray(batch.behaviour_logprobs))[mask]
     kept_mass = np.exp(np.asarray(untruncated) - np.asarray(batch.behaviour_logprobs))[mask]
     metrics, _ = learner.step(batch)

@@ -14,7 +14,8 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs
+from conftest import jitted_token_logprobs
+from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.config_io import ConfigError, build_config, load_config
 from grpo_jax.errors import CheckpointError
@@ -28,7 +29,7 @@ from grpo_jax.model.lora import (
     merge_adapters,
     save_peft_adapter,
 )
-from grpo_jax.model.transformer import ModelConfig, create_model, param_dict, positions_from_mask
+from grpo_jax.model.transformer import ModelConfig, abstract_model, create_model, param_dict, positions_from_mask
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, state_shardings
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 from grpo_jax.run.config import Config
@@ -200,7 +201,7 @@ def test_dropout_stays_out_of_the_importance_weight_and_the_ratio(mini_batches, 
     adapters = randomized(init_adapters(MODEL, lora, seed=0))  # B != 0: dropout changes the adapters' output
     model = create_model(MODEL, seed=0)
     batch = random_batch(3, size=8)
-    own = token_logprobs(model, batch.tokens, batch.input_mask, adapters=adapters)[0]
+    own = jitted_token_logprobs(model, batch.tokens, batch.input_mask, adapters=adapters)[0]
     batch = dataclasses.replace(batch, behaviour_logprobs=np.where(batch.loss_mask > 0, np.asarray(own), 0.0))
     optim = OptimConfig(lr=0.0, mini_batches=mini_batches, epochs=epochs)
     learner = Learner(model, optim, LossConfig(clip_low=0.2, clip_high=0.2), adapters=adapters, dropout_seed=1)
@@ -409,7 +410,7 @@ def test_compile_lays_out_adapters_on_a_frozen_base():
     config = load_config(Config, REPO / "configs" / "tiny_cpu.yaml", overrides)
     report = compile_run(config, "v5e:2x2")
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        nnx.state(nnx.eval_shape(lambda: create_model(config.model)))))
+        nnx.state(abstract_model(config.model))))
     learner = report.program("learner step")
     assert learner.memory is not None and not learner.refusal
     # The base, split over the 2 learner devices, is an argument; what is donated and written back is the

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import jitted_token_logprobs
 from grpo_jax.algorithm.learner import (
     Learner,
     OptimConfig,
@@ -78,9 +79,9 @@ def test_a_packed_sequence_scores_as_if_alone_and_no_gradient_crosses_sequences(
     a, b, c = (rng.integers(1, MODEL.vocab_size, n) for n in (7, 5, 3))
     row = np.concatenate([a, b, c, np.zeros(1, np.int64)])[None].astype(np.int32)
     labels = np.repeat([1, 2, 3, 0], [7, 5, 3, 1])[None].astype(np.int32)
-    packed, _ = token_logprobs(model, row, labels)
+    packed, _ = jitted_token_logprobs(model, row, labels)
     for start, seq in ((0, a), (7, b), (12, c)):
-        alone, _ = token_logprobs(model, seq[None].astype(np.int32), np.ones((1, len(seq)), bool))
+        alone, _ = jitted_token_logprobs(model, seq[None].astype(np.int32), np.ones((1, len(seq)), bool))
         np.testing.assert_allclose(packed[0, start:start + len(seq) - 1], alone[0], atol=1e-6)
 
     graphdef, params = nnx.split(model)
@@ -95,7 +96,7 @@ def test_a_packed_sequence_scores_as_if_alone_and_no_gradient_crosses_sequences(
         np.testing.assert_array_equal(x, y)
     # ... whereas in one unlabelled sequence the later tokens see the earlier ones: the check can fail.
     def whole_row(tokens):
-        return token_logprobs(model, tokens, np.ones(row.shape, bool))[0][0, 7:14]
+        return jitted_token_logprobs(model, tokens, np.ones(row.shape, bool))[0][0, 7:14]
     assert np.abs(np.asarray(whole_row(row)) - np.asarray(packed[0, 7:14])).max() > 1e-3
 
 

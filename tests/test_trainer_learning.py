@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.algorithm.learner import NonFiniteError, token_logprobs
+from conftest import jitted_token_logprobs
+from grpo_jax.algorithm.learner import NonFiniteError
 from grpo_jax.cli import main
 from grpo_jax.run.trainer import Trainer
 from test_trainer import FAST, REPO, assert_every_ordinal_accounted_once, read_ledger, tiny_config
@@ -25,7 +26,7 @@ def capture_first_batch(trainer, temperatures):
             seen["mask"] = np.asarray(batch.loss_mask) > 0
             seen["behaviour"] = np.asarray(batch.behaviour_logprobs)
             for t in temperatures:
-                seen[t] = np.asarray(token_logprobs(model, batch.tokens, batch.input_mask, temperature=t)[0])
+                seen[t] = np.asarray(jitted_token_logprobs(model, batch.tokens, batch.input_mask, temperature=t)[0])
         return step(batch)
 
     trainer.learner.step = wrapped

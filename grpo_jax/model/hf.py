@@ -26,7 +26,7 @@ from flax import nnx
 from grpo_jax.data.tokenizer import Tokenizer, read_json
 from grpo_jax.errors import CheckpointError
 from grpo_jax.model.safetensors_io import SafetensorsFile, save_file
-from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, param_dict
+from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer, abstract_model, param_dict
 
 __all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpoint_config",
            "hf_config_to_model_config", "model_config_to_hf_config", "load_hf_model", "save_hf_model"]
@@ -377,7 +377,7 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
                                   f"than the model's vocab_size {cfg.vocab_size} in {path / CONFIG_FILE}")
 
     # Build an abstract model (shapes only, no random init) and fill each parameter from the checkpoint.
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = abstract_model(cfg)
     by_name = {e.ours: e for e in _layout(cfg) if e.ours is not None}
     target = np.dtype(DTYPES[cfg.param_dtype])
     if mesh is not None:

@@ -38,7 +38,7 @@ from flax import nnx
 
 from grpo_jax.config_io import load_config
 from grpo_jax.errors import UserError
-from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
+from grpo_jax.model.transformer import DTYPES, ModelConfig, abstract_model
 from grpo_jax.parallel.sharding import rows_split_problem
 from grpo_jax.planning.compile import compile_run
 from grpo_jax.planning.programs import refusal_excess
@@ -324,7 +324,7 @@ class Search:
 
 def parameter_count(model: ModelConfig) -> int:
     """The model's parameters, from its shapes (nothing allocated)."""
-    abstract = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0)))
+    abstract = abstract_model(model)
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract)))
 
 

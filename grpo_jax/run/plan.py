@@ -43,7 +43,7 @@ from grpo_jax.algorithm.learner import (
 )
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.lora import LoraConfig, init_adapters
-from grpo_jax.model.transformer import DTYPES, ModelConfig, Transformer
+from grpo_jax.model.transformer import DTYPES, ModelConfig, abstract_model
 from grpo_jax.parallel.distributed import by_process
 from grpo_jax.parallel.sharding import (
     DeviceCut,
@@ -315,7 +315,7 @@ class RunPlan:
     def abstract_params(self, mesh: Mesh | None = None):
         """(graphdef, state) of the policy with ShapeDtypeStructs, sharded on `mesh` (the learner's) as
         sharding.shard_module places real ones."""
-        return _placed(nnx.eval_shape(lambda: Transformer(self.model, nnx.Rngs(0))), mesh or self.learner_mesh)
+        return _placed(abstract_model(self.model), mesh or self.learner_mesh)
 
     def abstract_adapters(self, mesh: Mesh | None = None, lora: LoraConfig | None = None):
         """(graphdef, state) of the LoRA adapters: A like its weight's input, B like its output, rank whole."""
