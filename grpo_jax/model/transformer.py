@@ -362,7 +362,7 @@ class _ShapesOnly:
     """What Transformer's constructor asks of nnx.Rngs (`params()`), where only shapes are wanted: one key for
     every parameter. nnx.Rngs advances a counter variable per parameter, and under tracing flax asks that
     traced counter for its sharding, whose refusal JAX words by walking every operation traced so far:
-    quadratic in the number of parameters (24 s for Llama-3.1-70B's 80 layers; now 0.3 s)."""
+    quadratic in the number of parameters (24 s for Llama-3.1-70B's 80 layers; now 0.9 s)."""
 
     @staticmethod
     def params() -> jax.Array:
