@@ -89,7 +89,8 @@ def exit_codes(procs, timeout: float) -> list[int]:
 ACROSS_HOSTS = ("sampler.engine=static",)
 FINITE_PROMPTS = 50
 FINITE = ("data.num_epochs=1", f"data.synthetic_size={FINITE_PROMPTS}", "trainer.max_steps=50")
-SHORT = ("trainer.max_steps=6",)
+SHORT_STEPS = 6
+SHORT = (f"trainer.max_steps={SHORT_STEPS}",)
 LAYOUTS = [(2, 4, 2, ()), (4, 2, 1, SHORT),
            (2, 3, 2, ("mesh.actor.fsdp=4", *ACROSS_HOSTS, *FINITE)),
            (4, 2, 1, ("mesh.actor.tensor=4", *ACROSS_HOSTS, *SHORT))]
@@ -141,7 +142,7 @@ def test_preempted_killed_and_resumed_on_several_processes_loses_nothing(tmp_pat
         assert exhausted and max(r["step"] for r in rows) == int(exhausted[-1]), exhausted
         assert f"prompts handed out:   {FINITE_PROMPTS}" in audit.stdout and "run_ended" not in audit.stdout
     else:
-        assert max(r["step"] for r in rows) == (6 if SHORT[0] in overrides else MAX_STEPS)
+        assert max(r["step"] for r in rows) == (SHORT_STEPS if SHORT[0] in overrides else MAX_STEPS)
     assert ("actor: one mesh across" in log) == across
     # Written by process 0 from weights gathered one at a time by all processes: loadable, finite.
     from grpo_jax.model.hf import load_hf_model
