@@ -11,9 +11,11 @@ import pathlib
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.cli import main
 from grpo_jax.config_io import load_config
@@ -21,7 +23,8 @@ from grpo_jax.errors import CheckpointError, ConfigError
 from grpo_jax.model.hf import checkpoint_config, load_hf_model
 from grpo_jax.model.transformer import DTYPES, abstract_model
 from grpo_jax.planning.actor_programs import engine_setup
-from grpo_jax.planning.compile import PROGRESS_PREFIX, CompilerCrash, compile_run
+from grpo_jax.planning.compile import PROGRESS_PREFIX, CompilerCrash, compile_run, without_jax_cache
+from grpo_jax.planning.compile_cache import CACHE_DIR_ENV
 from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
 from grpo_jax.planning.report import DoesNotFit, format_report, model_flops_per_step
 from grpo_jax.planning.topology import tpu_topology
@@ -48,6 +51,13 @@ def tiny(*overrides: str) -> Config:
 
 def tiny_engine(*overrides: str) -> Config:
     return load_config(Config, TINY, [*ENGINE, *overrides])
+
+
+@pytest.fixture
+def no_jax_cache():
+    """For the tests that compile a program for a topology themselves, as compile_run does."""
+    with without_jax_cache():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +119,13 @@ EVAL = ["eval.every_steps=5", "eval.num_prompts=6", "eval.samples=3", "eval.max_
 
 
 @pytest.fixture(scope="module")
-def engine_two_hosts_run():
-    """In the compiling child, as the command does: the report and the progress lines printed meanwhile."""
+def engine_two_hosts_run(tmp_path_factory):
+    """In the compiling child, as the command does: the report and the progress lines printed meanwhile. With a
+    compile cache of its own, so that every program is compiled (none comes from another test's compile)."""
     progress = io.StringIO()
-    report = compile_run(tiny_engine(*TWO_HOSTS), "v5p:2x2x2", progress=progress)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("compile_cache")))
+        report = compile_run(tiny_engine(*TWO_HOSTS), "v5p:2x2x2", progress=progress)
     return report, progress.getvalue()
 
 
@@ -221,7 +234,7 @@ def test_two_hosts_stage_whole_copies_in_groups(two_hosts):
     assert stage.notes and f"{len(groups)} programs" in stage.notes[0]
 
 
-def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_per_host(spanning):
+def test_an_actor_across_hosts_samples_every_hosts_prompts_and_stages_a_block_per_host(spanning, no_jax_cache):
     config = tiny(*SPANNING, *BF16)
     topology = tpu_topology("v5p:2x2x2")
     layout = RunPlan.build(config, topology.devices, process_word="host")
@@ -375,31 +388,90 @@ def test_continuous_engine_compiles_on_two_hosts(engine_two_hosts):
     assert report.step is not None and report.step.seconds > 0
 
 
-PROGRESS_LINE = re.compile(re.escape(PROGRESS_PREFIX) + r" *([\d.]+) s  (.+): (compiling|compiled in ([\d.]+) s); "
+PROGRESS_LINE = re.compile(re.escape(PROGRESS_PREFIX) + r" *([\d.]+) s  (.+): (compiling|compiled in ([\d.]+) s|"
+                           r"from the compile cache \(compiled before in ([\d.]+) s\)); "
                            r"host memory peak ([\d.]+)([KMG])iB")
 
 
 def test_the_compile_shows_each_program_as_it_starts_and_ends(engine_two_hosts_run):
     """While the child compiles, one line per program (and per loop body compiled alone for its cost) as it
     starts and as it ends: its label, the seconds since the start, its compile time, the child's peak host
-    memory. They add up to the report's compile times."""
+    memory. They add up to the report's compile times. A program the run has compiled already (the weight sync's
+    groups of equal shapes) comes from the compile cache, which this run starts empty."""
     report, text = engine_two_hosts_run
     lines = [PROGRESS_LINE.fullmatch(line) for line in text.splitlines()]
     assert len(lines) >= 2 and all(lines), text
     labels = [m.group(2) for m in lines]
     assert labels[::2] == labels[1::2], text  # each program's end follows its start
     assert [m.group(3) for m in lines[::2]] == ["compiling"] * (len(lines) // 2)
-    assert all(m.group(4) is not None for m in lines[1::2])
+    ends = lines[1::2]
+    assert all((m.group(4) is None) != (m.group(5) is None) for m in ends)
+    cached = [m.group(2) for m in ends if m.group(5) is not None]
+    compiled = {m.group(2) for m in ends if m.group(4) is not None}
+    assert cached and all(label.startswith("weight sync stage (group ") for label in cached), cached
+    assert "learner step" in compiled and not compiled & set(cached), text  # cached only after compiled once
     elapsed = [float(m.group(1)) for m in lines]
     assert elapsed == sorted(elapsed)
     units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    peaks = [float(m.group(5)) * units[m.group(6)] for m in lines]
+    peaks = [float(m.group(6)) * units[m.group(7)] for m in lines]
     assert peaks[0] > 100 * 2 ** 20 and peaks == sorted(peaks)  # a process with JAX and libtpu: its high-water mark
     assert {"learner step", "engine chunk (16 slots)", "engine admission"} <= set(labels), labels
     assert any(label.startswith("weight sync stage (group 1 of ") for label in labels), labels
-    for program in report.programs:
-        own = [float(m.group(4)) for m in lines[1::2] if m.group(2).startswith(program.name)]
-        assert own and program.compile_seconds == pytest.approx(sum(own), abs=0.05 * len(own) + 0.01), program.name
+    for program in report.programs:  # a cached program's compile time is its lookup's, not in the lines
+        own = [float(m.group(4)) for m in ends if m.group(2).startswith(program.name) and m.group(4)]
+        lookups = sum(1 for m in ends if m.group(2).startswith(program.name) and m.group(5))
+        assert own and sum(own) - 0.05 * len(own) - 0.01 <= program.compile_seconds <= \
+            sum(own) + 0.05 * len(own) + 0.5 * lookups + 0.01, program.name
+
+
+def test_a_program_compiled_before_comes_from_the_compile_cache(tmp_path, monkeypatch, no_jax_cache):
+    """What compiling a program found is read back instead of compiled again, keyed by the program, the devices
+    it is placed on and the topology; an entry that cannot be read is compiled again; an empty variable turns
+    the cache off."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    topology = tpu_topology("v5e:2x2")
+    program = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0))
+
+    def argument(rows, devices):
+        mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+        return jax.ShapeDtypeStruct((rows, 128), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x")))
+
+    def entries():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    first = compile_one(program, (argument(256, topology.devices[:2]),), topology)
+    assert first.memory.arguments > 0 and first.cost.flops > 0 and len(entries()) == 1
+    again = compile_one(program, (argument(256, topology.devices[:2]),), topology)
+    assert (again.memory, again.cost, again.refusal) == (first.memory, first.cost, first.refusal)
+    assert len(entries()) == 1
+    # Another shape, other devices, another topology: each is compiled and kept on its own.
+    compile_one(program, (argument(512, topology.devices[:2]),), topology)
+    compile_one(program, (argument(256, topology.devices[2:]),), topology)
+    other = tpu_topology("v5p:2x2x1")
+    compile_one(program, (argument(256, other.devices[:2]),), other)
+    assert len(entries()) == 4 and all(name.endswith(".json") for name in entries())
+    for path in tmp_path.iterdir():  # torn entries: compiled again and written whole
+        path.write_text('{"memory": ')
+    again = compile_one(program, (argument(256, topology.devices[:2]),), topology)
+    assert (again.memory, again.cost) == (first.memory, first.cost)
+    assert sum(1 for p in tmp_path.iterdir() if p.read_text().startswith('{"memory": {')) == 1
+    monkeypatch.setenv(CACHE_DIR_ENV, "")
+    for path in tmp_path.iterdir():
+        path.unlink()
+    compile_one(program, (argument(256, topology.devices[:2]),), topology)
+    assert entries() == []
+    (tmp_path / "a_file").write_text("")  # a cache directory that cannot be made costs only the compile
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "a_file" / "cache"))
+    again = compile_one(program, (argument(256, topology.devices[:2]),), topology)
+    assert (again.memory, again.cost) == (first.memory, first.cost) and entries() == ["a_file"]
+
+
+def test_a_run_compiled_again_reports_the_same_figures(one_host):
+    # Every program of one_host's run now has an entry (written by its compile, or read by it).
+    again = compile_run(tiny(), "v5e:2x2", isolate=False)
+    assert [(p.name, p.memory, p.cost, p.refusal) for p in again.programs] == [
+        (p.name, p.memory, p.cost, p.refusal) for p in one_host.programs]
+    assert again.step == one_host.step
 
 
 def test_oversized_engine_slots_are_refused_in_one_line(capsys):

@@ -408,7 +408,7 @@ def test_compile_lays_out_adapters_on_a_frozen_base():
                  "lora.rank=2",
                  "lora.dropout=0.1", "loss.kl_coef=0.01"]
     config = load_config(Config, REPO / "configs" / "tiny_cpu.yaml", overrides)
-    report = compile_run(config, "v5e:2x2")
+    report = compile_run(config, "v5e:2x2", isolate=False)  # in this process: no child's start-up and libtpu load
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
         nnx.state(abstract_model(config.model))))
     learner = report.program("learner step")

@@ -8,6 +8,7 @@ compiled for it (the modules beside this one):
 - programs.py: compile_one, and the learner step and the weight sync (its stages on several hosts; the copy
   onto the actor's devices, a transfer counted at the ICI figure);
 - actor_programs.py: the continuous engine's programs, or the static sampler's generate, and evaluation's;
+- compile_cache.py: what each program's compile found, kept on disk, so that no program is compiled twice;
 - report.py: the step projection (rooflines: max(FLOPs / peak, bytes / HBM bandwidth) per device and loop
   body, times its trip count; collectives and host work are not counted, so a lower bound), the table, and
   the refusal of a layout that does not fit.
@@ -21,6 +22,7 @@ compile time and the child's peak host memory so far.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -114,9 +116,9 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
 class ProgressEvent:
     """One line of the child's progress file (programs._record_progress)."""
 
-    event: str  # "start" or "end"
+    event: str  # "start", "end", or "cached" (an end without a compile: compile_cache.py)
     label: str  # the program, or the loop body compiled alone for its cost
-    seconds: float  # at its end: the program's compile time
+    seconds: float  # at its end: the program's compile time (cached: that of the compile it was cached from)
     peak_bytes: int  # the child's peak host memory (resident set) so far
 
 
@@ -135,9 +137,11 @@ def read_progress(path: pathlib.Path) -> list[ProgressEvent]:
 def show_progress(events: list[ProgressEvent], shown: int, started: float, stream: TextIO) -> int:
     """Print the events past the first `shown` to `stream`, one line each, and return how many are shown now:
     e.g. `grpo-jax compile:   41.2 s  learner step: compiled in 27.8 s; host memory peak 3.41GiB` (seconds since
-    the command started; the compiling process's peak resident memory so far)."""
+    the command started; the compiling process's peak resident memory so far), or `... learner step: from the
+    compile cache (compiled before in 27.8 s); ...` for a program compiled before (compile_cache.py)."""
     for e in events[shown:]:
-        what = "compiling" if e.event == "start" else f"compiled in {e.seconds:.1f} s"
+        what = {"start": "compiling", "end": f"compiled in {e.seconds:.1f} s",
+                "cached": f"from the compile cache (compiled before in {e.seconds:.1f} s)"}[e.event]
         stream.write(f"{PROGRESS_PREFIX}{time.monotonic() - started:7.1f} s  {e.label}: {what}; "
                      f"host memory peak {size_text(e.peak_bytes)}iB\n")
     stream.flush()
@@ -183,6 +187,21 @@ def _child_main() -> None:
     (work / "result.pkl").write_bytes(pickle.dumps(result))
 
 
+@contextlib.contextmanager
+def without_jax_cache():
+    """JAX's persistent compilation cache off meanwhile: it cannot load executables compiled for a described
+    topology (there is no TPU client), it would only write entries and warn. JAX decides once per process whether
+    it uses the cache, so turning it off takes a reset too (and one after, for the process's own compiles)."""
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_compilation_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+        reset_compilation_cache()
+
+
 def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", config_path: str = "") -> Report:
     topology = tpu_topology(topology_name, chips_per_host)
     # Laid out as the trainer lays a run out: host 0's actor devices stand for every host's (an actor per host).
@@ -200,13 +219,7 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
         setup = engine_setup(plan)
         actor_bytes += setup.state_bytes
         actor_what += " and its engine's slot state"
-    # A persistent compilation cache cannot load executables compiled for a described topology (there is no
-    # TPU client): it would only write entries and warn. JAX decides once per process whether it uses the cache,
-    # so turning it off takes a reset too (and one after, for the process's own compiles).
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    reset_compilation_cache()
-    try:
+    with without_jax_cache():
         learner, learner_state = learner_program(plan, topology, actor_bytes, actor_what)
         if setup is not None:
             actor = engine_programs(plan, topology, setup, sum(learner_state.values()))
@@ -216,9 +229,6 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
             chunk = next((p for p in actor if p.name == "engine chunk"), None)
             actor.append(eval_program(plan, topology, sum(learner_state.values()), chunk))
         stage, transfers = sync_parts(plan, topology, learner_state, actor_bytes, actor_what)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
-        reset_compilation_cache()
     compiled = [learner, *actor, *stage]
     step = project_step(plan, param_count, topology, compiled, transfers)
     return Report(config_path, topology, model, param_count, describe_layout(plan), tuple(compiled),

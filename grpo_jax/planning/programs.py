@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from grpo_jax.algorithm.learner import batch_logprobs
 from grpo_jax.model.transformer import DTYPES
+from grpo_jax.planning import compile_cache
 from grpo_jax.planning.topology import Topology
 from grpo_jax.planning.units import size_text
 from grpo_jax.rollout.weight_sync import narrowed
@@ -122,31 +123,49 @@ def _record_progress(event: str, label: str, seconds: float = 0.0) -> None:
 
 
 def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = None, label: str = "") -> Compiled:
-    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`. `label` names the
-    program (or the loop body compiled alone for its cost) in the progress lines and in a crash report."""
+    """Lower and compile; a RESOURCE_EXHAUSTED refusal by the compiler becomes `refusal`. A program compiled
+    before on this topology is not compiled again: its figures come from the compile cache (compile_cache.py)
+    and `seconds` is the lookup's time. `label` names the program (or the loop body compiled alone for its
+    cost) in the progress lines and in a crash report."""
     if PROGRESS is not None:
         _record_progress("start", label)
         if label and os.environ.get(ABORT_AT_ENV) == label:
             os.abort()
     start = time.perf_counter()
+    lowered = jitted.lower(*args, **(static or {}))
+    key = compile_cache.program_key(lowered, args, topology.name)
+    entry = compile_cache.load(key)
+    if entry is not None:
+        seconds = time.perf_counter() - start
+        if PROGRESS is not None:
+            _record_progress("cached", label, entry.seconds)
+    else:
+        entry = _compile(lowered, start)
+        compile_cache.store(key, entry)
+        seconds = entry.seconds
+        if PROGRESS is not None:
+            _record_progress("end", label, seconds)
+    if entry.refusal:
+        return Compiled(None, None, entry.refusal, seconds)
+    return Compiled(Memory(**entry.memory), roofline(entry.flops, entry.bytes, topology), "", seconds)
+
+
+def _compile(lowered: jax.stages.Lowered, start: float) -> compile_cache.Entry:
+    """XLA's figures for a lowered program (`start`: when its lowering began, counted in its seconds)."""
     try:
-        compiled = jitted.lower(*args, **(static or {})).compile()
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - XlaRuntimeError; only the out-of-memory refusal is an answer
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        if PROGRESS is not None:
-            _record_progress("end", label, time.perf_counter() - start)
-        return Compiled(None, None, _refusal_line(str(e)), time.perf_counter() - start)
+        return compile_cache.Entry(None, None, None, _refusal_line(str(e)), time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    if PROGRESS is not None:
-        _record_progress("end", label, seconds)
     stats = compiled.memory_analysis()
     memory = Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
                     stats.temp_size_in_bytes, stats.generated_code_size_in_bytes)
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-    return Compiled(memory, roofline(flops, nbytes, topology), "", seconds)
+    return compile_cache.Entry(dataclasses.asdict(memory), flops, nbytes, "", seconds)
 
 
 def roofline(flops: float, nbytes: float, topology: Topology) -> Cost:
