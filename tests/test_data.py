@@ -232,6 +232,30 @@ def test_chat_format_uses_chat_template(gsm8k_dir, gsm8k_rows, tok):
         make_data_iterator(config, no_chat)
 
 
+def test_chat_template_kwargs_reach_the_template_and_the_fingerprint(gsm8k_dir, tok, tmp_path):
+    from test_tokenizer import THINKING_TEMPLATE
+
+    tok.save(tmp_path)
+    config_file = tmp_path / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": THINKING_TEMPLATE}))
+    thinking = Tokenizer.from_dir(tmp_path)
+    config = DataConfig(path=str(gsm8k_dir), split="test", prompt_format="chat")
+    answer_at_once = dataclasses.replace(config, chat_template_kwargs={"enable_thinking": False})
+    first, direct = next(make_data_iterator(config, thinking)), next(make_data_iterator(answer_at_once, thinking))
+    assert first["dataset_index"] == direct["dataset_index"]
+    assert first["prompt_text"].endswith("<|im_start|>assistant\n")
+    assert direct["prompt_text"] == first["prompt_text"] + "<think>\n\n</think>\n\n"
+    assert list(direct["prompt_ids"]) == thinking.encode(direct["prompt_text"])
+    # Other prompts, another stream: a checkpoint saved with one refuses to resume with the other.
+    assert dataset_fingerprint(answer_at_once, thinking) != dataset_fingerprint(config, thinking)
+    problems = DataConfig(path=str(gsm8k_dir), chat_template_kwargs={"enable_thinking": False, "messages": [],
+                                                                     "two words": 1}).validate()
+    assert problems == ["chat_template_kwargs: allowed only with prompt_format=chat",
+                        "chat_template_kwargs.messages: set by grpo_jax itself (reserved: messages, "
+                        "add_generation_prompt, tools, documents, bos_token, eos_token, pad_token)",
+                        "chat_template_kwargs.two words: must be a template variable name"], problems
+
+
 def test_sharding_splits_the_stream_disjointly(gsm8k_dir, tok):
     config = DataConfig(path=str(gsm8k_dir), split="test", shuffle_seed=2, num_epochs=1)
     whole = list(make_data_iterator(config, tok))

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint parity: tiny random Qwen2/Llama models built with transformers (torch, CPU, float32)
+"""Hugging Face checkpoint parity: tiny random Qwen2/Llama/Qwen3 models built with transformers (torch, CPU, float32)
 must give the same logits and greedy continuations after load_hf_model, and survive save_hf_model.
 Bad checkpoints must fail with a CheckpointError naming the file and tensor."""
 
@@ -45,6 +45,8 @@ SPECS = {
     "qwen2_untied": (transformers.Qwen2Config, dict(tie_word_embeddings=False), "60KB"),
     "llama3": (transformers.LlamaConfig, dict(tie_word_embeddings=False, rope_theta=500000.0,
                                               rope_scaling=dict(LLAMA3_ROPE)), None),  # it mutates it
+    # Per-head RMSNorm on queries and keys, no q/k/v bias, head_dim (32) other than hidden / heads (16).
+    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0), None),
 }
 NEW_TOKENS = 16
 
@@ -154,10 +156,13 @@ def test_loaded_config_and_tokenizer(loaded):
     assert not model.config.qkv_bias and model.config.architecture == "llama"
     assert loaded["qwen2_tied"][0].config.tie_embeddings and loaded["qwen2_tied"][0].lm_head is None
     assert loaded["qwen2_untied"][0].config.qkv_bias
+    qwen3 = loaded["qwen3"][0]
+    assert qwen3.config.architecture == "qwen3" and qwen3.config.qk_norm and not qwen3.config.qkv_bias
+    assert qwen3.config.resolved_head_dim == 32 and qwen3.layers[0].attn.q_norm.weight.get_value().shape == (32,)
     assert tok.eos_ids == Tokenizer.byte_level().eos_ids and tok.vocab_size == 259
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "qwen3"])
 def test_export_loads_in_transformers(loaded, tmp_path, name):
     model, tok = loaded[name]
     save_hf_model(model, tmp_path, tokenizer=tok)
@@ -317,6 +322,17 @@ def test_llama_with_qkv_bias_exports_zero_o_bias(tmp_path):
         load_hf_model(tmp_path)
 
 
+def test_qwen3_with_attention_bias_exports_zero_o_bias_and_loads_in_transformers(tmp_path):
+    model = _random_model(ModelConfig(vocab_size=VOCAB, qkv_bias=True, architecture="qwen3"))
+    save_hf_model(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.attention_bias
+    tokens, mask = _batch("right")
+    assert np.abs(_torch_logits(hf, tokens, mask) - _forward_fn(model)(tokens, mask))[mask].max() <= 1e-4
+    assert np.all(safetensors.numpy.load_file(tmp_path / "model.safetensors")[
+        "model.layers.0.self_attn.o_proj.bias"] == 0)
+
+
 # ---- config conversion ------------------------------------------------------------------------------------
 
 
@@ -324,7 +340,9 @@ def test_config_roundtrip_and_rope_formats():
     for cfg in (ModelConfig(vocab_size=VOCAB, qkv_bias=True, tie_embeddings=True, architecture="qwen2"),
                 ModelConfig(vocab_size=VOCAB, rope_scaling=LLAMA3_ROPE, architecture="llama", rope_theta=5e5),
                 ModelConfig(vocab_size=VOCAB, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                            architecture="llama", param_dtype="bfloat16", dtype="bfloat16")):
+                            architecture="llama", param_dtype="bfloat16", dtype="bfloat16"),
+                ModelConfig(vocab_size=VOCAB, head_dim=32, architecture="qwen3"),
+                ModelConfig(vocab_size=VOCAB, qkv_bias=True, architecture="qwen3")):
         assert hf_config_to_model_config(model_config_to_hf_config(cfg), "x") == cfg
     base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}

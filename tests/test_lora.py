@@ -254,17 +254,18 @@ def test_merged_export_gives_the_adapted_models_logits(tmp_path):
                                   np.asarray(param_dict(model)["layers.0.attn.k"]))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_peft_adapter_loads_onto_the_transformers_base_with_equal_logits(tmp_path, family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config_class = transformers.Qwen2Config if family == "qwen2" else transformers.LlamaConfig
+    config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                    "qwen3": transformers.Qwen3Config}[family]
     hf_config = config_class(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=family == "qwen2", bos_token_id=None, eos_token_id=None,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                             tie_word_embeddings=family != "llama", bos_token_id=None, eos_token_id=None,
                              pad_token_id=None)
     torch_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
     with torch.no_grad():

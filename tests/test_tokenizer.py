@@ -115,6 +115,29 @@ def test_template_renders_like_transformers(tok, tmp_path):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+# Qwen3's switch between thinking and not (its template's own test, in our words): with enable_thinking false the
+# generation prompt closes an empty thinking block, so the model answers at once.
+THINKING_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def test_template_variables_reach_the_template_as_transformers_passes_them(tok, tmp_path):
+    path = _write_dir(tmp_path, tok, chat_template=THINKING_TEMPLATE)
+    ours, hf = Tokenizer.from_dir(path), transformers.AutoTokenizer.from_pretrained(path)
+    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        assert ours.apply_chat_template(MESSAGES, **kwargs) == \
+            hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs), kwargs
+    assert ours.apply_chat_template(MESSAGES, enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert ours.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
+
+
 def test_from_dir_variants(tok, tmp_path):
     # AddedToken dicts, a list of named templates, chat_template.jinja taking precedence, an int eos in config.json
     path = _write_dir(tmp_path, tok, eos_token={"content": "<|endoftext|>", "special": True},

@@ -4,6 +4,7 @@ import json
 import pathlib
 
 import jax
+import numpy as np
 import pytest
 
 from grpo_jax.config_io import ConfigError, load_config
@@ -181,6 +182,25 @@ def test_gsm8k_config_runs_two_steps_with_a_tiny_qwen2(tmp_path, gsm8k_dir):
     trained = [line for line in lines if line["event"] == "train"]
     assert all(0 <= i < 7473 for line in trained for i in line["dataset_index"])
     assert_every_ordinal_accounted_once(tmp_path / "run")
+
+
+def test_a_tiny_qwen3_trains_with_its_query_and_key_norms_and_exports_as_qwen3(tmp_path):
+    """Qwen3's per-head query and key norms are parameters like any other: trained, synchronised to the actor,
+    checkpointed and exported (test_hf.py checks the logits against transformers)."""
+    from grpo_jax.model.hf import load_hf_model
+    from grpo_jax.model.transformer import param_dict
+
+    config = tiny_config(tmp_path, "model.architecture=qwen3", "model.head_dim=16", "model.qkv_bias=false",
+                         "trainer.max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0")
+    history = Trainer(config).train()
+    assert [m["step"] for m in history] == [1, 2]
+    assert_every_ordinal_accounted_once(tmp_path)
+    config_json = json.loads((tmp_path / "final_model" / "config.json").read_text())
+    assert config_json["architectures"] == ["Qwen3ForCausalLM"] and config_json["head_dim"] == 16
+    final, _ = load_hf_model(tmp_path / "final_model")
+    assert final.config.qk_norm and final.config.resolved_head_dim == 16
+    norms = {k: np.asarray(v) for k, v in param_dict(final).items() if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(norms) == 2 and all(v.shape == (16,) and not np.all(v == 1.0) for v in norms.values()), norms
 
 
 def test_reward_rises_on_the_synthetic_task(tmp_path):

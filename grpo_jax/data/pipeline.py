@@ -64,6 +64,9 @@ from grpo_jax.errors import DataError
 
 SOURCES = ("jsonl", "parquet", "tfds", "synthetic")
 PROMPT_FORMATS = ("plain", "chat")
+# The chat template's variables grpo_jax sets (Tokenizer.apply_chat_template): not data.chat_template_kwargs'.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+                               "pad_token")
 BAD_ROW_REASONS = ("bad_json", "not_an_object", "missing_field", "bad_field_type", "template_error",
                    "empty_prompt", "prompt_too_long", "unsupported_value", "row_too_large")
 STATE_VERSION = 1
@@ -105,6 +108,9 @@ class DataConfig:
     # prompt_field as is. With chat it builds the user message.
     template: str = ""
     system_prompt: str = ""  # chat only
+    # chat only: more variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
+    # them, e.g. {enable_thinking: false} for Qwen3's template (no thinking block; true or absent: thinking).
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     synthetic_task: str = "copy"
     synthetic_size: int = 1000
     synthetic_min_digits: int = 1
@@ -149,6 +155,14 @@ class DataConfig:
             problems.append(f"prompt_format={self.prompt_format!r}: allowed {', '.join(PROMPT_FORMATS)}")
         if self.system_prompt and self.prompt_format != "chat":
             problems.append("system_prompt: allowed only with prompt_format=chat")
+        if self.chat_template_kwargs and self.prompt_format != "chat":
+            problems.append("chat_template_kwargs: allowed only with prompt_format=chat")
+        for name in self.chat_template_kwargs:
+            if not isinstance(name, str) or not name.isidentifier():
+                problems.append(f"chat_template_kwargs.{name}: must be a template variable name")
+            elif name in RESERVED_TEMPLATE_VARIABLES:
+                problems.append(f"chat_template_kwargs.{name}: set by grpo_jax itself (reserved: "
+                                f"{', '.join(RESERVED_TEMPLATE_VARIABLES)})")
         if self.template:
             try:
                 _template_fields(self.template)
@@ -578,7 +592,7 @@ class _ToRecord:
             return prompt
         messages = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
         messages.append({"role": "user", "content": prompt})
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **c.chat_template_kwargs)
 
 
 def _tokenizer_hash(tokenizer) -> str:
@@ -601,7 +615,9 @@ def _fingerprint(config: DataConfig, source, tokenizer) -> str:
         # What turns a row into prompt ids, and the order of the stream (num_epochs and worker_count are
         # not here: the stream's elements do not depend on them).
         "prompt": [config.prompt_field, config.answer_field, config.prompt_format, config.template,
-                   config.system_prompt, config.max_prompt_len],
+                   config.system_prompt, config.max_prompt_len,
+                   # only when set, so that the fingerprints of checkpoints saved before it existed still match
+                   *([config.chat_template_kwargs] if config.chat_template_kwargs else [])],
         "order": [config.shuffle, config.shuffle_seed],
         "tokenizer": _tokenizer_hash(tokenizer),
     }

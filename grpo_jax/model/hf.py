@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints (Qwen2ForCausalLM, LlamaForCausalLM) <-> our Transformer, without torch.
+"""Hugging Face checkpoints (Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM) <-> our Transformer, without
+torch.
 
 A checkpoint directory holds config.json, model.safetensors or model.safetensors.index.json + shards, and
 optionally tokenizer files. Loading validates everything (config, every tensor's presence, shape and dtype,
@@ -34,12 +35,12 @@ __all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpo
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
 # Old checkpoints store the rotary table; it is recomputed from the config, so ignoring it is safe.
 _HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 # Default max_position_embeddings of each family in transformers, used when config.json omits it.
-_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048}
+_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048, "qwen3": 32768}
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 # The ModelConfig fields a run chooses for a loaded checkpoint (the trainer's `model` section with model_path);
 # every other field is architecture and comes from the checkpoint's config.json.
@@ -111,9 +112,9 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
             raise CheckpointError(f"{where}: {key} must be an integer, got {cfg.get(key)!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if family == "qwen2" and cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    if family == "llama" and cfg.get("mlp_bias"):
+    if family in ("llama", "qwen3") and cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
 
     max_pos = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POS[family]
@@ -131,7 +132,7 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
         head_dim=head_dim,
         rope_theta=theta, rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        # Qwen2 always has q/k/v biases; Llama has them (plus an o_proj bias) with attention_bias.
+        # Qwen2 always has q/k/v biases; Llama and Qwen3 have them (plus an o_proj bias) with attention_bias.
         qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family)
@@ -170,10 +171,10 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
         "dtype": cfg.param_dtype,  # transformers 5
         "use_cache": True,
     }
-    if cfg.architecture == "qwen2":
+    if cfg.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
-    else:
+    if cfg.architecture in ("llama", "qwen3"):
         out["attention_bias"] = cfg.qkv_bias
         out["mlp_bias"] = False
     return out
@@ -212,8 +213,8 @@ def _layout(cfg: ModelConfig) -> list[_Entry]:
     """Every tensor of the HF checkpoint of this config, and where it goes in our model."""
     e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    # Qwen2 always stores q/k/v biases: zeros when our model has none. Llama's attention_bias also adds
-    # an o_proj bias we do not model, so it must be zero.
+    # Qwen2 always stores q/k/v biases: zeros when our model has none. Llama's and Qwen3's attention_bias also
+    # adds an o_proj bias we do not model, so it must be zero.
     bias_kind = "bias_heads" if cfg.qkv_bias else "zero"
     out = [_Entry("model.embed_tokens.weight", "embed", (v, e), "copy"),
            _Entry("model.norm.weight", "final_norm.weight", (e,), "copy")]
@@ -236,8 +237,11 @@ def _layout(cfg: ModelConfig) -> list[_Entry]:
             for name, heads in (("q", h), ("k", kv), ("v", kv)):
                 ours = a + f"attn.{name}_bias" if cfg.qkv_bias else None
                 out.append(_Entry(p + f"self_attn.{name}_proj.bias", ours, (heads * d,), bias_kind))
-        if cfg.architecture == "llama" and cfg.qkv_bias:
+        if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
             out.append(_Entry(p + "self_attn.o_proj.bias", None, (e,), "zero"))
+        if cfg.qk_norm:
+            out += [_Entry(p + "self_attn.q_norm.weight", a + "attn.q_norm.weight", (d,), "copy"),
+                    _Entry(p + "self_attn.k_norm.weight", a + "attn.k_norm.weight", (d,), "copy")]
     return out
 
 

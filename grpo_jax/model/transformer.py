@@ -1,4 +1,4 @@
-"""Decoder-only transformer for the Llama 3 and Qwen2/Qwen2.5 families, in Flax NNX.
+"""Decoder-only transformer for the Llama 3, Qwen2/Qwen2.5 and Qwen3 (dense) families, in Flax NNX.
 
 One module covers both families: they differ only in QKV bias, tied embeddings and RoPE scaling.
 Weights are laid out per head ([embed, heads, head_dim]) so that tensor parallelism splits heads and
@@ -25,6 +25,7 @@ from flax import nnx
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALING_TYPES = ("llama3", "linear")
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # master weights
     remat: bool = False  # recompute each layer in the backward pass
-    architecture: str = "qwen2"  # "qwen2" or "llama": the Hugging Face class written on export
+    # The Hugging Face class written on export: "qwen2", "llama", or "qwen3" (which adds qk_norm).
+    architecture: str = "qwen2"
 
     def __hash__(self):
         # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
@@ -58,6 +60,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        """An RMSNorm over each query and key head before RoPE (Qwen3), with weights of head_dim."""
+        return self.architecture == "qwen3"
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: reason' strings (empty when valid)."""
@@ -82,8 +89,8 @@ class ModelConfig:
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in DTYPES:
                 problems.append(f"{key}={getattr(self, key)!r}: allowed {sorted(DTYPES)}")
-        if self.architecture not in ("qwen2", "llama"):
-            problems.append(f"architecture={self.architecture!r}: allowed ['llama', 'qwen2']")
+        if self.architecture not in ARCHITECTURES:
+            problems.append(f"architecture={self.architecture!r}: allowed {sorted(ARCHITECTURES)}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_SCALING_TYPES:
@@ -164,6 +171,11 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, zeros, (kv, d), pd, ("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
+        else:
+            self.q_norm = self.k_norm = None
         self.num_groups = h // kv
         self.scale = d ** -0.5
 
@@ -182,8 +194,10 @@ class Attention(nnx.Module):
             y = y.reshape(*x.shape[:2], *w.shape[1:])
             return y if b is None else y + b[...].astype(dtype)
 
-        q = apply_rope(project(self.q, self.q_bias, "q"), positions, inv_freq)
-        k = apply_rope(project(self.k, self.k_bias, "k"), positions, inv_freq)
+        q, k = project(self.q, self.q_bias, "q"), project(self.k, self.k_bias, "k")
+        if self.q_norm is not None:  # per head, over head_dim, before the rotation (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = project(self.v, self.v_bias, "v")
         # Keys/values as [B, KV, S, D]: batch dims leading, so the attention dots read the cache in place
         # (a [B, S, KV, D] cache made XLA transpose all of it every decode step).

@@ -162,7 +162,8 @@ def _prompt_digest(text: str) -> bytes:
 
 def _template_text(source, data: DataConfig, tokenizer: Tokenizer) -> Callable[[dict], str]:
     """row -> its prompt text before any chat template (raises data._RowError for a bad row)."""
-    return _ToRecord(source, dataclasses.replace(data, prompt_format="plain", system_prompt=""), tokenizer)._prompt_text
+    plain = dataclasses.replace(data, prompt_format="plain", system_prompt="", chat_template_kwargs={})
+    return _ToRecord(source, plain, tokenizer)._prompt_text
 
 
 def _training_prompts(data: DataConfig, tokenizer: Tokenizer) -> set[bytes]:
