@@ -74,6 +74,10 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
         return _compile_run(config, topology_name, chips_per_host, config_path)
     progress = sys.stderr if progress is None else progress
     started = time.monotonic()
+    # Described here first (libtpu describes a slice without compiling anything, which is what crashes): a bad
+    # topology name is one line before any child starts, and the child's report, whose described devices do not
+    # pickle, gets these.
+    topology = tpu_topology(topology_name, chips_per_host)
     with tempfile.TemporaryDirectory(prefix="grpo-jax-compile-") as tmp:
         work = pathlib.Path(tmp)
         (work / "args.pkl").write_bytes(pickle.dumps((config, topology_name, chips_per_host, config_path)))
@@ -99,9 +103,7 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
             kind, value = pickle.loads(result.read_bytes())
             if kind == "error":
                 raise value
-            # Described devices do not pickle: the child sends the report without its topology, described again
-            # here (libtpu describes a slice without compiling anything, which is what crashes).
-            return dataclasses.replace(value, topology=tpu_topology(topology_name, chips_per_host))
+            return dataclasses.replace(value, topology=topology)
         events = read_progress(work / "progress")
         program = next((e.label for e in reversed(events) if e.event == "start"), "")
         peak = max((e.peak_bytes for e in events), default=0)

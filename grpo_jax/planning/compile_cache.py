@@ -7,8 +7,8 @@ compile it once. A real model's learner step takes tens of minutes to compile he
 XLA's own persistent cache cannot serve this: an executable compiled for a described topology cannot be loaded
 back without a TPU, and only these figures are needed. An entry is keyed by everything the compiler sees: the
 lowered program's text (its shapes, shardings, donations and partition count; without source locations), the
-devices it is placed on, the topology, and the versions of jax, jaxlib and libtpu and the XLA and libtpu flags
-of the environment. Anything else that changes the compile changes one of these.
+devices it is placed on (with their hosts), the topology, and the versions of jax, jaxlib and libtpu and the
+XLA and libtpu flags of the environment. Anything else that changes the compile changes one of these.
 
 Where: $GRPO_JAX_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/grpo_jax/compile (~/.cache/grpo_jax/compile); set
 the variable to an empty string to compile every program afresh. One small JSON file per program, written
@@ -61,8 +61,9 @@ def _version(package: str) -> str:
 
 def program_key(lowered: jax.stages.Lowered, args: tuple, topology_name: str) -> str:
     """The hex digest that names a lowered program's entry (see the module docstring for what it covers)."""
-    devices = sorted({d.id for x in jax.tree.leaves(args) if getattr(x, "sharding", None) is not None
-                      for d in x.sharding.device_set})
+    # Ids, hosts and places in the slice: --chips-per-host changes the hosts of the same ids.
+    devices = sorted({(d.id, d.process_index, tuple(getattr(d, "coords", ()))) for x in jax.tree.leaves(args)
+                      if getattr(x, "sharding", None) is not None for d in x.sharding.device_set})
     parts = [f"format {FORMAT}", f"jax {jax.__version__}", f"jaxlib {_version('jaxlib')}",
              f"libtpu {_version('libtpu')}", f"topology {topology_name}", f"devices {devices}",
              f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
