@@ -36,16 +36,13 @@ import tempfile
 # compilation cache shared by the whole session turns the repeats into cache hits. .ci/run gives one
 # directory to the whole run (the pytest-xdist workers and every process the tests start); otherwise a
 # fresh directory per session: nothing carries over between runs, so every run compiles honestly.
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    _CACHE_DIR = tempfile.mkdtemp(prefix="grpo_jax_xla_cache_")
-    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
 # The same for `grpo-jax compile`'s own cache of what compiling a program for a TPU topology found
 # (planning/compile_cache.py), so that the tests never read or write the user's ~/.cache.
-if not os.environ.get("GRPO_JAX_COMPILE_CACHE_DIR"):
-    _COMPILE_CACHE_DIR = tempfile.mkdtemp(prefix="grpo_jax_compile_cache_")
-    atexit.register(shutil.rmtree, _COMPILE_CACHE_DIR, ignore_errors=True)
-    os.environ["GRPO_JAX_COMPILE_CACHE_DIR"] = _COMPILE_CACHE_DIR
+for _variable, _prefix in (("JAX_COMPILATION_CACHE_DIR", "grpo_jax_xla_cache_"),
+                           ("GRPO_JAX_COMPILE_CACHE_DIR", "grpo_jax_compile_cache_")):
+    if not os.environ.get(_variable):
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -19,6 +19,7 @@ An entry that cannot be read is compiled again and rewritten.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -52,6 +53,7 @@ def cache_dir() -> pathlib.Path | None:
     return pathlib.Path(base) / "grpo_jax" / "compile"
 
 
+@functools.cache  # read once per process: importlib.metadata walks every installed distribution
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
