@@ -311,6 +311,9 @@ PUBLISHED = {  # parameter counts of the public checkpoints
     "Qwen2.5-0.5B-Instruct": 0.494e9, "Qwen2.5-1.5B-Instruct": 1.544e9, "Qwen2.5-7B-Instruct": 7.616e9,
     "Qwen2.5-32B-Instruct": 32.76e9, "Llama-3.1-8B-Instruct": 8.030e9, "Llama-3.1-70B-Instruct": 70.55e9,
     "Qwen3-8B": 8.191e9,
+    # Gemma 3's technical report: 1,012M embedding + 10,759M other parameters in the language model (the 417M of
+    # its vision encoder are not loaded).
+    "Gemma-3-12B": 11.771e9,
 }
 
 

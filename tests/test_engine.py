@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from conftest import jitted_token_logprobs
 from grpo_jax.algorithm.learner import pack_batch
 from grpo_jax.algorithm.losses import LossConfig, policy_loss
+from grpo_jax.model.transformer import ModelConfig, create_model
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module
 from grpo_jax.rollout.engine import Engine
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
@@ -373,3 +374,41 @@ def test_trainer_with_the_engine_accounts_for_every_prompt(tmp_path, inflight):
     assert spread >= 1 if inflight else spread == 0
     held_back = history[-1]["engine/updates_held_back"]
     assert held_back == 0 if inflight else held_back >= 1  # off: new weights did arrive with samples in flight
+
+
+def test_gemma3_local_layers_keep_only_their_window_and_draw_what_the_static_sampler_draws():
+    """Gemma 3's sliding-window layers get a ring of `sliding_window` columns, not the whole prompt + completion:
+    writing a token overwrites the one that just left the window. Prompts longer than the window (their first
+    tokens never placed) and completions that run past it draw what the static sampler draws (which reads a full
+    cache through the window mask), with log-probs equal to one full forward pass."""
+    window = 5
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=32, architecture="gemma3", tie_embeddings=True,
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=window,
+                         rope_local_theta=10000.0, rope_theta=1e6, query_pre_attn_scalar=24)
+    model = create_model(config, seed=3)
+    model.embed.set_value(model.embed.get_value() * 8.0)  # tied head: a peaked distribution
+    sampler_config = dataclasses.replace(CONFIG, slots=8, decode_streams=1)
+    engine = Engine(model, EOS, PAD, sampler_config)
+    static = Sampler(model, EOS, PAD, sampler_config)
+    try:
+        empty = engine._banks[0].state
+        assert engine.local_ring == window and empty.local_key_mask.shape == (8, window)
+        assert [k.shape[2] for k, _ in empty.cache] == [window, engine.ring]
+        rng = np.random.default_rng(4)
+        prompts = _prompts(rng, [16, 3, 9, 14, 1, 7])
+        keys = _group_keys(len(prompts), 5)
+        results = _run(engine, prompts, keys)
+        want = static.generate([p for p in prompts for _ in range(G)], keys.reshape(-1))
+    finally:
+        engine.close()
+        static.close()
+    assert max(want.lengths) > window
+    for i, result in enumerate(results):
+        for j in range(G):
+            row = i * G + j
+            n = want.lengths[row]
+            np.testing.assert_array_equal(result.tokens[j], want.tokens[row, :n])
+            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], atol=1e-5)
+            np.testing.assert_allclose(result.logprobs[j], _full_forward_logprobs(model, prompts[i], result.tokens[j]),
+                                       atol=1e-4)

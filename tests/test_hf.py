@@ -1,7 +1,8 @@
-"""Hugging Face checkpoint parity: tiny random Qwen2/Llama/Qwen3 models built with transformers (torch, CPU, float32)
-must give the same logits and greedy continuations after load_hf_model, and survive save_hf_model.
+"""Hugging Face checkpoint parity: tiny random Qwen2/Llama/Qwen3/Gemma 3 models built with transformers (torch, CPU,
+float32) must give the same logits and greedy continuations after load_hf_model, and survive save_hf_model.
 Bad checkpoints must fail with a CheckpointError naming the file and tensor."""
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -39,6 +40,10 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              pad_token_id=None)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
+GEMMA3 = dict(head_dim=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+              query_pre_attn_scalar=24, rope_parameters={
+                  "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 SPECS = {
     "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_theta=10000.0), None),
     # Sharded on save, so the index path is exercised on load.
@@ -47,6 +52,9 @@ SPECS = {
                                               rope_scaling=dict(LLAMA3_ROPE)), None),  # it mutates it
     # Per-head RMSNorm on queries and keys, no q/k/v bias, head_dim (32) other than hidden / heads (16).
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0), None),
+    # A local layer (a window of 4: the prompts of 9 and the 16 greedy tokens run past it) and a global one, each
+    # with its RoPE (linear scaling on the global only), query/key norms, attention scaled by 24^-1/2.
+    "gemma3": (transformers.Gemma3TextConfig, GEMMA3, None),
 }
 NEW_TOKENS = 16
 
@@ -160,9 +168,47 @@ def test_loaded_config_and_tokenizer(loaded):
     assert qwen3.config.architecture == "qwen3" and qwen3.config.qk_norm and not qwen3.config.qkv_bias
     assert qwen3.config.resolved_head_dim == 32 and qwen3.layers[0].attn.q_norm.weight.get_value().shape == (32,)
     assert tok.eos_ids == Tokenizer.byte_level().eos_ids and tok.vocab_size == 259
+    gemma = loaded["gemma3"][0].config
+    assert gemma.architecture == "gemma3" and gemma.tie_embeddings and gemma.qk_norm
+    assert gemma.layer_types == ("sliding_attention", "full_attention") and gemma.sliding_window == 4
+    assert (gemma.rope_theta, gemma.rope_scaling, gemma.rope_local_theta) == \
+        (1e6, {"rope_type": "linear", "factor": 2.0}, 1e4)
+    assert gemma.query_pre_attn_scalar == 24 and gemma.resolved_head_dim == 32
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "qwen3"])
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: its text_config (only what differs from
+    Gemma3TextConfig's defaults) and its language model's tensors load, the vision tower's are left."""
+    text = dict(SMALL, **GEMMA3)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        text.pop(key)
+    config = transformers.Gemma3Config(text_config=text, mm_tokens_per_image=4, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    _randomize(hf, 7)
+    hf.save_pretrained(tmp_path)
+    names = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    assert any(n.startswith("vision_tower.") for n in names)
+    text_config = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "query_pre_attn_scalar"):
+        assert key in text_config
+    model, _ = load_hf_model(tmp_path)
+    assert model.config == dataclasses.replace(checkpoint_config(tmp_path))
+    tokens, mask = _batch("right")
+    assert np.abs(_torch_logits(hf, tokens, mask) - _forward_fn(model)(tokens, mask))[mask].max() <= 1e-4
+    # Only what differs from the defaults (as Google's config.json files are written) fills in the rest.
+    sparse = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": {
+        "hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text", "num_attention_heads": 16,
+        "num_hidden_layers": 48, "num_key_value_heads": 8, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024}, "torch_dtype": "bfloat16"}
+    gemma_12b = hf_config_to_model_config(sparse)
+    assert (gemma_12b.vocab_size, gemma_12b.resolved_head_dim, gemma_12b.query_pre_attn_scalar) == (262208, 256, 256)
+    assert gemma_12b.layer_types.count("full_attention") == 8 and gemma_12b.layer_types[5] == "full_attention"
+    assert gemma_12b.rope_local_theta == 1e4 and gemma_12b.dtype == "bfloat16" and gemma_12b.tie_embeddings
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "qwen3", "gemma3"])
 def test_export_loads_in_transformers(loaded, tmp_path, name):
     model, tok = loaded[name]
     save_hf_model(model, tmp_path, tokenizer=tok)
@@ -342,8 +388,30 @@ def test_config_roundtrip_and_rope_formats():
                 ModelConfig(vocab_size=VOCAB, rope_scaling={"rope_type": "linear", "factor": 2.0},
                             architecture="llama", param_dtype="bfloat16", dtype="bfloat16"),
                 ModelConfig(vocab_size=VOCAB, head_dim=32, architecture="qwen3"),
-                ModelConfig(vocab_size=VOCAB, qkv_bias=True, architecture="qwen3")):
+                ModelConfig(vocab_size=VOCAB, qkv_bias=True, architecture="qwen3"),
+                ModelConfig(vocab_size=VOCAB, head_dim=32, architecture="gemma3", tie_embeddings=True,
+                            layer_types=("sliding_attention", "full_attention"), sliding_window=8,
+                            rope_local_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                            query_pre_attn_scalar=24),
+                ModelConfig(vocab_size=VOCAB, architecture="gemma3", rope_local_theta=1e4, query_pre_attn_scalar=16)):
         assert hf_config_to_model_config(model_config_to_hf_config(cfg), "x") == cfg
+    gemma = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": VOCAB,
+             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4}
+    # transformers 4: rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern (every 3rd global).
+    v4 = hf_config_to_model_config({**gemma, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window": 8,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                    "sliding_window_pattern": 3})
+    v5 = hf_config_to_model_config({**gemma, "sliding_window": 8, "layer_types": ["sliding_attention"] * 2 + [
+        "full_attention"] + ["sliding_attention"] * 2 + ["full_attention"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert v4 == v5 and v4.layer_types[2] == "full_attention" and v4.rope_local_theta == 1e4
+    for bad, match in (({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                       ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+                       ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {
+                           "rope_type": "linear", "factor": 2.0}}}, "sliding-window layers")):
+        with pytest.raises(CheckpointError, match=rf"cfg.json.*{match}"):
+            hf_config_to_model_config({**gemma, **bad}, "cfg.json")
     base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
     v4 = hf_config_to_model_config({**base, "rope_theta": 5e5, "rope_scaling": dict(LLAMA3_ROPE)})

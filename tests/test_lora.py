@@ -254,7 +254,7 @@ def test_merged_export_gives_the_adapted_models_logits(tmp_path):
                                   np.asarray(param_dict(model)["layers.0.attn.k"]))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3"])
 def test_peft_adapter_loads_onto_the_transformers_base_with_equal_logits(tmp_path, family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -262,11 +262,13 @@ def test_peft_adapter_loads_onto_the_transformers_base_with_equal_logits(tmp_pat
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "qwen3": transformers.Qwen3Config}[family]
+                    "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[family]
+    # Gemma 3: a local layer over a window of 3 tokens, then a global one.
+    gemma = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)
     hf_config = config_class(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                              tie_word_embeddings=family != "llama", bos_token_id=None, eos_token_id=None,
-                             pad_token_id=None)
+                             pad_token_id=None, **(gemma if family == "gemma3" else {}))
     torch_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in torch_model.named_parameters():  # transformers' init leaves biases 0, norms 1

@@ -3,6 +3,8 @@ restarting, train exactly as one sequence per row does: the same loss, gradients
 epochs for every aggregation, GRPO and GSPO, the KL term and the off-policy weights (float32, tight tolerances,
 random mixes of lengths with empty completions and failed rows)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,9 @@ from grpo_jax.model.transformer import ModelConfig, create_model, positions_from
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2)
 PROMPT_LEN, COMPLETION_LEN = 6, 10
+# Gemma 3's local layer over the last 3 tokens: in a packed row the window must not reach into the sequence before.
+GEMMA3 = dataclasses.replace(MODEL, architecture="gemma3", layer_types=("sliding_attention", "full_attention"),
+                             sliding_window=3, rope_local_theta=100.0, tie_embeddings=True)
 
 
 def random_sequences(seed: int, size: int):
@@ -70,11 +75,12 @@ def test_positions_restart_at_each_sequence():
     np.testing.assert_array_equal(positions_from_mask(labels[1:] > 0), [[0, 0, 0, 1, 2, 3, 4, 4, 4]])
 
 
-def test_a_packed_sequence_scores_as_if_alone_and_no_gradient_crosses_sequences():
+@pytest.mark.parametrize("config", [MODEL, GEMMA3], ids=["qwen2", "gemma3"])
+def test_a_packed_sequence_scores_as_if_alone_and_no_gradient_crosses_sequences(config):
     """Each sequence's log-probs in a packed row equal those of the sequence alone in a padded row; the gradient of
     one sequence's log-probs does not depend on the other sequences' tokens (their values change, the gradient
     stays), so nothing leaks across sequences in the backward pass either."""
-    model = create_model(MODEL, seed=2)
+    model = create_model(config, seed=2)
     rng = np.random.default_rng(0)
     a, b, c = (rng.integers(1, MODEL.vocab_size, n) for n in (7, 5, 3))
     row = np.concatenate([a, b, c, np.zeros(1, np.int64)])[None].astype(np.int32)

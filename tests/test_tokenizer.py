@@ -321,3 +321,56 @@ def test_min_tokens_refuses_long_texts_only_where_it_can_prove_it():
     stripping = Tokenizer.byte_level()
     stripping._tok.add_special_tokens([AddedToken("<mask>", special=True, lstrip=True)])
     assert Tokenizer(stripping._tok).min_tokens(long_text) == 0
+
+
+# Gemma 3's instruct template: the BOS written by the template, a system message folded into the first user turn,
+# "assistant" named "model", contents trimmed, roles that must alternate.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}"""
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+
+
+def test_gemma3_chat_prompts_have_one_bos_and_stop_at_the_end_of_the_turn(tmp_path):
+    """Gemma's tokenizer adds a BOS to plain text and its template writes one too: a chat prompt's ids are the
+    rendered template's as they are (transformers' apply_chat_template(tokenize=True)), one BOS, not two."""
+    inner = Tokenizer.byte_level(extra_special_tokens=GEMMA_SPECIALS)._tok
+    pad, eos, bos, start, end = (inner.token_to_id(t) for t in GEMMA_SPECIALS)
+    inner.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    Tokenizer(inner, chat_template=GEMMA3_TEMPLATE, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>",
+              extra_eos_ids=(end,)).save(tmp_path)
+    ours, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.eos_ids == (eos, end) and ours.bos_id == bos and ours.prompt_prefix == (bos,)
+    for messages in (MESSAGES, MESSAGES[1:], MESSAGES[1:] + [{"role": "assistant", "content": " 4 "}] + MESSAGES[1:]):
+        rendered = ours.apply_chat_template(messages)
+        assert rendered == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        ids = ours.encode_prompt(rendered, chat=True)
+        assert ids == list(want) and ids.count(bos) == 1 and ids[0] == bos
+    assert ours.apply_chat_template(MESSAGES) == ("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2? <b>&</b>"
+                                                  "<end_of_turn>\n<start_of_turn>model\n")
+    assert ours.encode_prompt("2+2?") == [bos] + list(b"2+2?")  # a plain prompt gets the BOS the tokenizer adds
+    with pytest.raises(ValueError, match="roles must alternate"):
+        ours.apply_chat_template([{"role": "assistant", "content": "x"}])

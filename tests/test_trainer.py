@@ -184,23 +184,38 @@ def test_gsm8k_config_runs_two_steps_with_a_tiny_qwen2(tmp_path, gsm8k_dir):
     assert_every_ordinal_accounted_once(tmp_path / "run")
 
 
-def test_a_tiny_qwen3_trains_with_its_query_and_key_norms_and_exports_as_qwen3(tmp_path):
-    """Qwen3's per-head query and key norms are parameters like any other: trained, synchronised to the actor,
-    checkpointed and exported (test_hf.py checks the logits against transformers)."""
+# Qwen3: per-head query and key norms. Gemma 3 besides: a local layer over the last 4 tokens with its own RoPE
+# base, (1 + weight) norms before and after attention and the MLP, a GELU gate, scaled embeddings.
+FAMILIES = {"qwen3": ("Qwen3ForCausalLM", ()),
+            "gemma3": ("Gemma3ForCausalLM", ("model.num_layers=2",
+                                             "model.layer_types=[sliding_attention, full_attention]",
+                                             "model.sliding_window=4", "model.rope_local_theta=10000",
+                                             "model.query_pre_attn_scalar=24"))}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_tiny_model_of_each_newer_family_trains_and_exports_as_that_family(tmp_path, family):
+    """Their norms are parameters like any other: trained, synchronised to the actor, checkpointed and exported
+    (test_hf.py checks the logits against transformers)."""
     from grpo_jax.model.hf import load_hf_model
     from grpo_jax.model.transformer import param_dict
 
-    config = tiny_config(tmp_path, "model.architecture=qwen3", "model.head_dim=16", "model.qkv_bias=false",
-                         "trainer.max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0")
+    hf_class, extra = FAMILIES[family]
+    config = tiny_config(tmp_path, f"model.architecture={family}", "model.head_dim=16", "model.qkv_bias=false",
+                         "trainer.max_steps=2", "optim.lr=1e-2", "optim.warmup_steps=0", *extra)
     history = Trainer(config).train()
     assert [m["step"] for m in history] == [1, 2]
     assert_every_ordinal_accounted_once(tmp_path)
     config_json = json.loads((tmp_path / "final_model" / "config.json").read_text())
-    assert config_json["architectures"] == ["Qwen3ForCausalLM"] and config_json["head_dim"] == 16
+    assert config_json["architectures"] == [hf_class] and config_json["head_dim"] == 16
     final, _ = load_hf_model(tmp_path / "final_model")
-    assert final.config.qk_norm and final.config.resolved_head_dim == 16
-    norms = {k: np.asarray(v) for k, v in param_dict(final).items() if k.endswith(("q_norm.weight", "k_norm.weight"))}
-    assert len(norms) == 2 and all(v.shape == (16,) and not np.all(v == 1.0) for v in norms.values()), norms
+    for key in ("architecture", "layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar"):
+        assert getattr(final.config, key) == getattr(config.model, key), key
+    start = 0.0 if family == "gemma3" else 1.0  # Gemma's norms scale by 1 + weight, from 0
+    norms = {k: np.asarray(v) for k, v in param_dict(final).items() if k.endswith("norm.weight")}
+    # Per layer: input, MLP input, query and key norms (and Gemma's two on attention's and the MLP's outputs).
+    assert len(norms) == 1 + config.model.num_layers * (6 if family == "gemma3" else 4)
+    assert all(not np.all(v == start) for v in norms.values()), norms
 
 
 def test_reward_rises_on_the_synthetic_task(tmp_path):

@@ -1,5 +1,9 @@
-"""Hugging Face checkpoints (Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM) <-> our Transformer, without
-torch.
+"""Hugging Face checkpoints (Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM) <-> our
+Transformer, without torch.
+
+Gemma 3's larger models are published as Gemma3ForConditionalGeneration (text and vision): their language model
+loads from the same directory (config.json's text_config, the tensors under its language model's prefix; the
+vision tower's are left unread) and exports as the text-only Gemma3ForCausalLM.
 
 A checkpoint directory holds config.json, model.safetensors or model.safetensors.index.json + shards, and
 optionally tokenizer files. Loading validates everything (config, every tensor's presence, shape and dtype,
@@ -35,12 +39,25 @@ __all__ = ["CheckpointError", "RUN_SETTINGS", "architecture_conflicts", "checkpo
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
+MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # config.json's
+_HF_MODEL_TYPE = {family: model_type for model_type, family in MODEL_TYPES.items()}
+MULTIMODAL_GEMMA3 = "Gemma3ForConditionalGeneration"  # its text_config and language model are loaded
+# Where a checkpoint's language model lies: a causal LM's own, transformers 5's and transformers 4's multimodal one.
+TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config lists only what differs.
+GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": True, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6}
 # Old checkpoints store the rotary table; it is recomputed from the config, so ignoring it is safe.
 _HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 # Default max_position_embeddings of each family in transformers, used when config.json omits it.
-_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048, "qwen3": 32768}
+_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048, "qwen3": 32768, "gemma3": 131072}
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 # The ModelConfig fields a run chooses for a loaded checkpoint (the trainer's `model` section with model_path);
 # every other field is architecture and comes from the checkpoint's config.json.
@@ -96,29 +113,83 @@ def hf_config_to_model_config(cfg: dict, path_for_errors: str | os.PathLike = CO
         raise CheckpointError(f"{where}: bad value ({type(e).__name__}: {e})") from e
 
 
+def _gemma3_rope(cfg: dict, where: str, max_pos: int) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling) of Gemma 3's global layers and the local layers' rope_theta, from transformers 4
+    (rope_theta, rope_scaling, rope_local_base_freq) or 5 (rope_parameters per layer type)."""
+    nested = cfg.get("rope_parameters")
+    if isinstance(nested, dict) and "full_attention" in nested:
+        theta, scaling = _rope_from_hf({"rope_parameters": nested["full_attention"]}, where, max_pos)
+        local = nested.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+        local_theta, local_scaling = _rope_from_hf({"rope_parameters": local}, where, max_pos)
+    else:
+        theta, scaling = _rope_from_hf(cfg, where, max_pos)
+        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", 10000.0)), None
+    if local_scaling is not None:
+        raise CheckpointError(f"{where}: RoPE scaling on the sliding-window layers ({local_scaling}) is not supported")
+    return theta, scaling, local_theta
+
+
+def _gemma3_layer_types(cfg: dict, where: str) -> tuple[str, ...]:
+    layers = cfg["num_hidden_layers"]
+    if cfg.get("layer_types") is not None:
+        return tuple(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern", 6)
+    if not isinstance(pattern, int) or pattern <= 0:
+        raise CheckpointError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+
+
 def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
+    if MULTIMODAL_GEMMA3 in (cfg.get("architectures") or []) or cfg.get("model_type") == "gemma3":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(f"{where}: a {MULTIMODAL_GEMMA3} config needs a text_config object")
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+        cfg = {"dtype": dtype, **text, "architectures": None, "model_type": "gemma3_text"}
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if family is None and not archs and model_type in _HF_CLASS:
-        family = model_type
+    if family is None and not archs and model_type in MODEL_TYPES:
+        family = MODEL_TYPES[model_type]
     if family is None:
         supported = ", ".join(f"{a} (model_type {f})" for a, f in ARCHITECTURES.items())
         raise CheckpointError(f"{where}: unsupported architecture {archs or model_type!r} "
-                              f"(model_type {model_type!r}); supported: {supported}")
+                              f"(model_type {model_type!r}); supported: {supported}, {MULTIMODAL_GEMMA3} (its "
+                              "language model)")
+    if family == "gemma3":
+        cfg = {**GEMMA3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k.endswith("softcapping")}}
 
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise CheckpointError(f"{where}: {key} must be an integer, got {cfg.get(key)!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if family == "gemma3":
+        if cfg["hidden_activation"] != "gelu_pytorch_tanh":
+            raise CheckpointError(f"{where}: hidden_activation {cfg['hidden_activation']!r} is not supported (Gemma 3: "
+                                  "only gelu_pytorch_tanh)")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise CheckpointError(f"{where}: {key}={cfg[key]!r} is not supported (Gemma 3 has none: null)")
+        if cfg.get("use_bidirectional_attention"):
+            raise CheckpointError(f"{where}: use_bidirectional_attention=true is not supported (causal LMs only)")
+    elif cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    if family in ("llama", "qwen3") and cfg.get("mlp_bias"):
+    if family in ("llama", "qwen3", "gemma3") and cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
 
     max_pos = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POS[family]
-    theta, scaling = _rope_from_hf(cfg, where, max_pos)
+    gemma = {}
+    if family == "gemma3":
+        theta, scaling, local_theta = _gemma3_rope(cfg, where, max_pos)
+        layer_types = _gemma3_layer_types(cfg, where)
+        if "sliding_attention" not in layer_types:
+            layer_types = ()  # every layer global: ModelConfig's canonical form, so configs round-trip equal
+        window = int(cfg["sliding_window"]) if layer_types else 0
+        gemma = dict(layer_types=layer_types, sliding_window=window, rope_local_theta=local_theta,
+                     query_pre_attn_scalar=int(cfg["query_pre_attn_scalar"]))
+    else:
+        theta, scaling = _rope_from_hf(cfg, where, max_pos)
     # float16 is not a compute dtype here; widening it to float32 is exact.
     dtype = {"bfloat16": "bfloat16"}.get(cfg.get("dtype") or cfg.get("torch_dtype"), "float32")
     heads = cfg["num_attention_heads"]
@@ -132,10 +203,11 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
         head_dim=head_dim,
         rope_theta=theta, rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        # Qwen2 always has q/k/v biases; Llama and Qwen3 have them (plus an o_proj bias) with attention_bias.
+        # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3 have them (plus an o_proj bias) with
+        # attention_bias.
         qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family)
+        max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family, **gemma)
     problems = model_cfg.validate()
     if problems:
         raise CheckpointError(f"{where}: invalid model config: " + "; ".join(problems))
@@ -151,7 +223,7 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
         rope_parameters["rope_type"] = rope_parameters.pop("type", None) or rope_parameters["rope_type"]
     out = {
         "architectures": [_HF_CLASS[cfg.architecture]],
-        "model_type": cfg.architecture,
+        "model_type": _HF_MODEL_TYPE[cfg.architecture],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -174,9 +246,18 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
     if cfg.architecture in ("qwen2", "qwen3"):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
-    if cfg.architecture in ("llama", "qwen3"):
+    if cfg.architecture in ("llama", "qwen3", "gemma3"):
         out["attention_bias"] = cfg.qkv_bias
         out["mlp_bias"] = False
+    if cfg.gemma:
+        del out["hidden_act"]
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_pre_attn_scalar
+                   or cfg.resolved_head_dim, sliding_window=cfg.sliding_window or None,
+                   layer_types=list(cfg.layer_types) or ["full_attention"] * cfg.num_layers,
+                   rope_local_base_freq=local["rope_theta"], final_logit_softcapping=None,
+                   attn_logit_softcapping=None, use_bidirectional_attention=False,
+                   rope_parameters={"full_attention": rope_parameters, "sliding_attention": local})
     return out
 
 
@@ -209,22 +290,33 @@ class _Entry:
     kind: str  # "copy", "linear" (transpose), "in_heads" (q/k/v), "out_heads" (o), "bias_heads", "zero"
 
 
-def _layout(cfg: ModelConfig) -> list[_Entry]:
-    """Every tensor of the HF checkpoint of this config, and where it goes in our model."""
+def _head_name(prefix: str) -> str:
+    """The LM head's tensor beside a language model at `prefix` (TEXT_PREFIXES)."""
+    return "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+
+
+def _layout(cfg: ModelConfig, prefix: str = "model.") -> list[_Entry]:
+    """Every tensor of the HF checkpoint of this config, and where it goes in our model; prefix: where the
+    checkpoint keeps its language model (TEXT_PREFIXES)."""
     e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    # Qwen2 always stores q/k/v biases: zeros when our model has none. Llama's and Qwen3's attention_bias also
-    # adds an o_proj bias we do not model, so it must be zero.
+    # Qwen2 always stores q/k/v biases: zeros when our model has none. The attention_bias of Llama, Qwen3 and
+    # Gemma 3 also adds an o_proj bias we do not model, so it must be zero.
     bias_kind = "bias_heads" if cfg.qkv_bias else "zero"
-    out = [_Entry("model.embed_tokens.weight", "embed", (v, e), "copy"),
-           _Entry("model.norm.weight", "final_norm.weight", (e,), "copy")]
+    out = [_Entry(prefix + "embed_tokens.weight", "embed", (v, e), "copy"),
+           _Entry(prefix + "norm.weight", "final_norm.weight", (e,), "copy")]
     if not cfg.tie_embeddings:
-        out.append(_Entry("lm_head.weight", "lm_head", (v, e), "linear"))
+        out.append(_Entry(_head_name(prefix), "lm_head", (v, e), "linear"))
+    # Our MLP input norm is Llama's and Qwen's post_attention_layernorm; Gemma's is pre_feedforward_layernorm, its
+    # post_attention_layernorm normalizing attention's output.
+    norms = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm"}
+    if cfg.gemma:
+        norms = {"input_layernorm": "input_norm", "post_attention_layernorm": "attn_out_norm",
+                 "pre_feedforward_layernorm": "post_attn_norm", "post_feedforward_layernorm": "mlp_out_norm"}
     for i in range(cfg.num_layers):
-        p, a = f"model.layers.{i}.", f"layers.{i}."
+        p, a = f"{prefix}layers.{i}.", f"layers.{i}."
+        out += [_Entry(f"{p}{theirs}.weight", f"{a}{ours}.weight", (e,), "copy") for theirs, ours in norms.items()]
         out += [
-            _Entry(p + "input_layernorm.weight", a + "input_norm.weight", (e,), "copy"),
-            _Entry(p + "post_attention_layernorm.weight", a + "post_attn_norm.weight", (e,), "copy"),
             _Entry(p + "self_attn.q_proj.weight", a + "attn.q", (h * d, e), "in_heads"),
             _Entry(p + "self_attn.k_proj.weight", a + "attn.k", (kv * d, e), "in_heads"),
             _Entry(p + "self_attn.v_proj.weight", a + "attn.v", (kv * d, e), "in_heads"),
@@ -237,7 +329,7 @@ def _layout(cfg: ModelConfig) -> list[_Entry]:
             for name, heads in (("q", h), ("k", kv), ("v", kv)):
                 ours = a + f"attn.{name}_bias" if cfg.qkv_bias else None
                 out.append(_Entry(p + f"self_attn.{name}_proj.bias", ours, (heads * d,), bias_kind))
-        if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
+        if cfg.architecture != "qwen2" and cfg.qkv_bias:
             out.append(_Entry(p + "self_attn.o_proj.bias", None, (e,), "zero"))
         if cfg.qk_norm:
             out += [_Entry(p + "self_attn.q_norm.weight", a + "attn.q_norm.weight", (d,), "copy"),
@@ -310,9 +402,18 @@ def _open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], str]:
     raise CheckpointError(f"{path}: no weights: neither {WEIGHTS_FILE} nor {INDEX_FILE} found{hint}")
 
 
-def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched: str) -> list[str]:
+def _text_prefix(cfg: ModelConfig, files: dict[str, SafetensorsFile]) -> str:
+    """Where the checkpoint keeps its language model (TEXT_PREFIXES): a Gemma 3 checkpoint may be multimodal."""
+    if cfg.gemma:
+        for prefix in TEXT_PREFIXES:
+            if prefix + "embed_tokens.weight" in files:
+                return prefix
+    return "model."
+
+
+def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched: str, prefix: str) -> list[str]:
     """Every problem with the checkpoint's tensors, as messages naming file and tensor."""
-    layout = _layout(cfg)
+    layout = _layout(cfg, prefix)
     problems = []
     for entry in layout:
         f = files.get(entry.hf_name)
@@ -330,14 +431,15 @@ def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched
                             "parameter (only all-zero values can be dropped exactly)")
     known = {entry.hf_name for entry in layout}
     for name in sorted(set(files) - known):
-        if _HARMLESS.match(name):
-            continue
-        if name == "lm_head.weight" and cfg.tie_embeddings and "model.embed_tokens.weight" in files:
+        if _HARMLESS.match(name) or (prefix != "model." and _VISION.match(name)):
+            continue  # the multimodal Gemma 3's vision tower is not part of the language model
+        embed_name = prefix + "embed_tokens.weight"
+        if name == _head_name(prefix) and cfg.tie_embeddings and embed_name in files:
             # Some tied checkpoints store the head anyway; harmless only if it really is the embedding.
-            head, embed = files[name].get(name), files["model.embed_tokens.weight"].get("model.embed_tokens.weight")
+            head, embed = files[name].get(name), files[embed_name].get(embed_name)
             if head.shape == embed.shape and np.array_equal(head, embed):
                 continue
-            problems.append(f"{files[name].path}: tensor 'lm_head.weight' differs from the embedding, but "
+            problems.append(f"{files[name].path}: tensor {name!r} differs from the embedding, but "
                             "config.json says tie_word_embeddings=true")
             continue
         problems.append(f"{files[name].path}: unexpected tensor {name!r} (not part of a {cfg.architecture} "
@@ -347,7 +449,7 @@ def _check_tensors(cfg: ModelConfig, files: dict[str, SafetensorsFile], searched
 
 def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype: str | None = None,
                   remat: bool = False, mesh=None, rules: dict | None = None) -> tuple[Transformer, Tokenizer | None]:
-    """Load a Qwen2/Llama safetensors checkpoint directory; the tokenizer too when tokenizer.json exists.
+    """Load a Qwen2/Llama/Qwen3/Gemma 3 safetensors checkpoint directory; the tokenizer too when tokenizer.json exists.
 
     dtype (compute) / param_dtype (the weights held) default to the checkpoint's dtype (bfloat16 stays
     bfloat16, anything else float32); training wants param_dtype float32 whatever the checkpoint holds, since
@@ -368,7 +470,8 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
                               remat=remat)
 
     files, searched = _open_weights(path)
-    problems = _check_tensors(cfg, files, searched)
+    prefix = _text_prefix(cfg, files)
+    problems = _check_tensors(cfg, files, searched, prefix)
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise CheckpointError(f"{path}: checkpoint does not match {path / CONFIG_FILE}:\n  " + "\n  ".join(shown))
@@ -382,7 +485,7 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
 
     # Build an abstract model (shapes only, no random init) and fill each parameter from the checkpoint.
     model = abstract_model(cfg)
-    by_name = {e.ours: e for e in _layout(cfg) if e.ours is not None}
+    by_name = {e.ours: e for e in _layout(cfg, prefix) if e.ours is not None}
     target = np.dtype(DTYPES[cfg.param_dtype])
     if mesh is not None:
         from grpo_jax.parallel.sharding import DEFAULT_RULES, spec_for

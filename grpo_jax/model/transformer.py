@@ -1,6 +1,10 @@
-"""Decoder-only transformer for the Llama 3, Qwen2/Qwen2.5 and Qwen3 (dense) families, in Flax NNX.
+"""Decoder-only transformer for the Llama 3, Qwen2/Qwen2.5, Qwen3 (dense) and Gemma 3 (text) families, in Flax NNX.
 
-One module covers both families: they differ only in QKV bias, tied embeddings and RoPE scaling.
+One module covers them all: Llama and Qwen differ only in QKV bias, per-head query/key norms, tied embeddings and
+RoPE scaling. Gemma 3 adds, per its architecture name: norms that scale by (1 + weight), a norm on the output of
+attention and of the MLP besides the one on their input, a tanh-approximated GELU gate, embeddings scaled by
+sqrt(hidden_size), attention scaled by query_pre_attn_scalar, and local layers (`layer_types`) that attend only to
+the last `sliding_window` tokens, with a RoPE base of their own (`rope_local_theta`, unscaled).
 Weights are laid out per head ([embed, heads, head_dim]) so that tensor parallelism splits heads and
 the Hugging Face conversion is a reshape. Every parameter carries logical axis names; `sharding.py`
 maps them onto a mesh.
@@ -16,6 +20,7 @@ sequence's hidden states are those it would have alone in a row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -25,7 +30,8 @@ from flax import nnx
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALING_TYPES = ("llama3", "linear")
-ARCHITECTURES = ("qwen2", "llama", "qwen3")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "gemma3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # ModelConfig.layer_types, as Hugging Face names them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +54,15 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # master weights
     remat: bool = False  # recompute each layer in the backward pass
-    # The Hugging Face class written on export: "qwen2", "llama", or "qwen3" (which adds qk_norm).
+    # The Hugging Face class written on export: "qwen2", "llama", "qwen3" (which adds qk_norm) or "gemma3" (see the
+    # module docstring).
     architecture: str = "qwen2"
+    # Per layer, "full_attention" (every earlier token) or "sliding_attention" (a local layer: the last
+    # sliding_window tokens, itself included); empty: every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    rope_local_theta: float = 0.0  # the local layers' RoPE base (0: rope_theta); rope_scaling is not applied there
+    query_pre_attn_scalar: int = 0  # attention scores are scaled by its -1/2 power (0: head_dim)
 
     def __hash__(self):
         # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
@@ -63,8 +76,28 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """An RMSNorm over each query and key head before RoPE (Qwen3), with weights of head_dim."""
-        return self.architecture == "qwen3"
+        """An RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3), with weights of head_dim."""
+        return self.architecture in ("qwen3", "gemma3")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer: (1 + weight) norms, norms on attention's and the MLP's outputs, a GELU gate, scaled
+        embeddings."""
+        return self.architecture == "gemma3"
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends over the sliding window only."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def has_local_layers(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    def keys_over_layers(self, keys: float) -> float:
+        """Summed over the layers, the keys each holds or reads where a full-attention layer has `keys`: a local
+        layer at most sliding_window (KV cache columns, attention FLOPs)."""
+        local = self.layer_types.count("sliding_attention")
+        return (self.num_layers - local) * keys + local * min(keys, self.sliding_window or keys)
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: reason' strings (empty when valid)."""
@@ -91,6 +124,24 @@ class ModelConfig:
                 problems.append(f"{key}={getattr(self, key)!r}: allowed {sorted(DTYPES)}")
         if self.architecture not in ARCHITECTURES:
             problems.append(f"architecture={self.architecture!r}: allowed {sorted(ARCHITECTURES)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                problems.append(f"layer_types: {len(self.layer_types)} entries for num_layers={self.num_layers} "
+                                "(one per layer, or none for every layer full_attention)")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                problems.append(f"layer_types: {unknown} unknown; allowed {list(LAYER_TYPES)}")
+        if self.has_local_layers and self.sliding_window <= 0:
+            problems.append(f"sliding_window={self.sliding_window}: layer_types has sliding_attention layers, so it "
+                            "must be a positive number of tokens")
+        if self.sliding_window < 0:
+            problems.append(f"sliding_window={self.sliding_window}: must be >= 0")
+        if self.has_local_layers and self.architecture != "gemma3":
+            problems.append(f"layer_types: sliding_attention layers are part of architecture gemma3 only (got "
+                            f"{self.architecture!r}, whose Hugging Face class would ignore the window)")
+        for key in ("rope_local_theta", "query_pre_attn_scalar"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key}={getattr(self, key)}: must be >= 0 (0 means the default)")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_SCALING_TYPES:
@@ -105,8 +156,12 @@ class ModelConfig:
         return problems
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> jnp.ndarray:
-    """Per-pair rotation frequencies, with Llama-3 or linear scaling applied (as Hugging Face does)."""
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> jnp.ndarray:
+    """Per-pair rotation frequencies, with Llama-3 or linear scaling applied (as Hugging Face does). local: those of
+    the sliding-window layers (rope_local_theta, unscaled)."""
+    if local:
+        config = dataclasses.replace(config, rope_theta=config.rope_local_theta or config.rope_theta,
+                                     rope_scaling=None)
     dim = config.resolved_head_dim
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     scaling = config.rope_scaling
@@ -146,14 +201,23 @@ _normal = nnx.initializers.normal(0.02)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
-        self.weight = _param(rngs, nnx.initializers.ones, (dim,), param_dtype, ("norm",))
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, zero_centered: bool = False):
+        """zero_centered (Gemma): the weight starts at 0 and scales by (1 + weight), all in float32."""
+        init = nnx.initializers.zeros if zero_centered else nnx.initializers.ones
+        self.weight = _param(rngs, init, (dim,), param_dtype, ("norm",))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _norm(config: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, DTYPES[config.param_dtype], rngs, zero_centered=config.gemma)
 
 
 class Attention(nnx.Module):
@@ -172,12 +236,11 @@ class Attention(nnx.Module):
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
+            self.q_norm, self.k_norm = _norm(config, d, rngs), _norm(config, d, rngs)
         else:
             self.q_norm = self.k_norm = None
         self.num_groups = h // kv
-        self.scale = d ** -0.5
+        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
 
     def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
         """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,C,S,D] or None (then S == T), where C is
@@ -195,7 +258,7 @@ class Attention(nnx.Module):
             return y if b is None else y + b[...].astype(dtype)
 
         q, k = project(self.q, self.q_bias, "q"), project(self.k, self.k_bias, "k")
-        if self.q_norm is not None:  # per head, over head_dim, before the rotation (Qwen3)
+        if self.q_norm is not None:  # per head, over head_dim, before the rotation (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = project(self.v, self.v_bias, "v")
@@ -233,6 +296,8 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, _normal, (e, m), pd, ("embed", "mlp"))
         self.up = _param(rngs, _normal, (e, m), pd, ("embed", "mlp"))
         self.down = _param(rngs, _normal, (m, e), pd, ("mlp", "embed"))
+        # Gemma: GELU (tanh approximation, transformers' gelu_pytorch_tanh); the others: SiLU.
+        self.activation = functools.partial(jax.nn.gelu, approximate=True) if config.gemma else jax.nn.silu
 
     def __call__(self, x, adapters=None, dropout_key=None):
         dtype = x.dtype
@@ -245,7 +310,7 @@ class MLP(nnx.Module):
         if adapters is not None:
             gate = adapters.apply("gate", rows, gate, dropout_key)
             up = adapters.apply("up", rows, up, dropout_key)
-        hidden = jax.nn.silu(gate) * up
+        hidden = self.activation(gate) * up
         down = hidden @ self.down[...].astype(dtype)
         if adapters is not None:
             down = adapters.apply("down", hidden, down, dropout_key)
@@ -254,17 +319,27 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        pd = DTYPES[config.param_dtype]
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        e = config.hidden_size
+        self.input_norm = _norm(config, e, rngs)
         self.attn = Attention(config, rngs)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.post_attn_norm = _norm(config, e, rngs)  # the MLP's input norm (Hugging Face: post_attention_layernorm,
+        #                                                 or Gemma's pre_feedforward_layernorm)
         self.mlp = MLP(config, rngs)
+        if config.gemma:  # norms on attention's and the MLP's outputs, before each residual add
+            self.attn_out_norm, self.mlp_out_norm = _norm(config, e, rngs), _norm(config, e, rngs)
+        else:
+            self.attn_out_norm = self.mlp_out_norm = None
 
     def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
         attn_out, cache = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, write_index, adapters,
                                     dropout_key)
+        if self.attn_out_norm is not None:
+            attn_out = self.attn_out_norm(attn_out)
         x = x + attn_out
-        return x + self.mlp(self.post_attn_norm(x), adapters, dropout_key), cache
+        mlp_out = self.mlp(self.post_attn_norm(x), adapters, dropout_key)
+        if self.mlp_out_norm is not None:
+            mlp_out = self.mlp_out_norm(mlp_out)
+        return x + mlp_out, cache
 
 
 KVCache = tuple  # per layer: (k, v), each [batch, kv_heads (or a multiple: init_cache), cache_len, head_dim]
@@ -279,7 +354,7 @@ class Transformer(nnx.Module):
         pd = DTYPES[config.param_dtype]
         self.embed = _param(rngs, _normal, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
         self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs)
+        self.final_norm = _norm(config, config.hidden_size, rngs)
         if config.tie_embeddings:
             self.lm_head = None
         else:
@@ -289,19 +364,30 @@ class Transformer(nnx.Module):
     def compute_dtype(self):
         return DTYPES[self.config.dtype]
 
-    def init_cache(self, batch: int, length: int, heads: int = 0) -> KVCache:
+    def embed_tokens(self, tokens) -> jnp.ndarray:
+        """[B, T] ids -> [B, T, E] in the compute dtype (Gemma scales them by sqrt(hidden_size), in that dtype)."""
+        x = self.embed[tokens].astype(self.compute_dtype)
+        if self.config.gemma:
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_size), self.compute_dtype)
+        return x
+
+    def init_cache(self, batch: int, length: int, heads: int = 0, local_length: int = 0) -> KVCache:
         """Zeros for `length` positions of `batch` rows. heads: 0 for num_kv_heads; or a multiple of it that
         divides num_heads, each KV head then held heads / num_kv_heads times in a row (each copy read by its own
         share of the query heads): so that a tensor axis larger than num_kv_heads can split the cache, each
-        device holding the KV head its query heads use (rollout.sampler.cache_layout)."""
+        device holding the KV head its query heads use (rollout.sampler.cache_layout). local_length: the
+        positions of the sliding-window layers' caches (0: `length`; the engine's ring keeps only the window)."""
         c = self.config
         heads = heads or c.num_kv_heads
         if heads % c.num_kv_heads or c.num_heads % heads:
             raise ValueError(f"init_cache: heads={heads} must be a multiple of num_kv_heads={c.num_kv_heads} that "
                              f"divides num_heads={c.num_heads}")
-        shape = (batch, heads, length, c.resolved_head_dim)
-        return tuple((jnp.zeros(shape, self.compute_dtype), jnp.zeros(shape, self.compute_dtype))
-                     for _ in range(c.num_layers))
+
+        def zeros(i):
+            columns = local_length if local_length and c.is_local(i) else length
+            return jnp.zeros((batch, heads, columns, c.resolved_head_dim), self.compute_dtype)
+
+        return tuple((zeros(i), zeros(i)) for i in range(c.num_layers))
 
     def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0,
                       adapters=None, dropout_key=None, segment_ids=None):
@@ -316,7 +402,7 @@ class Transformer(nnx.Module):
         adapters: lora.Adapters applied on top of these weights (None: the model alone); dropout_key: a
         PRNG key for their dropout (None: no dropout, as in sampling and in passes without gradient).
         """
-        x = self.embed[tokens].astype(self.compute_dtype)
+        x = self.embed_tokens(tokens)
         t = tokens.shape[1]
         s = key_mask.shape[1]
         query_slot = write_index + jnp.arange(t)[:, None]
@@ -325,13 +411,21 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("segment_ids: only without a KV cache (a row of packed sequences)")
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        # A local layer's query sees the keys at most sliding_window - 1 slots before its own: a sequence's tokens
+        # are in consecutive slots (padding only before or after them), so slots count positions.
+        local_mask = None
+        if self.config.has_local_layers:
+            local_mask = mask & (jnp.arange(s)[None, :] > query_slot - self.config.sliding_window)[None]
         inv_freq = rope_inverse_frequencies(self.config)
+        local_inv_freq = rope_inverse_frequencies(self.config, local=True)
         new_cache = []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i]
             layer_adapters = None if adapters is None else adapters.layers[i]
             layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            args = (x, positions, mask, inv_freq, layer_cache, write_index)
+            local = self.config.is_local(i)
+            args = (x, positions, local_mask if local else mask, local_inv_freq if local else inv_freq, layer_cache,
+                    write_index)
             if self.config.remat:
                 # jax.checkpoint over a pure function of the layer's (and its adapters') state: nnx.remat refuses
                 # weights that enter the trace without being differentiated (the frozen base under LoRA).

@@ -252,7 +252,8 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     sequences = layout.slots or host_rows
     banks = min(sampler.decode_streams, sequences)
     kv_split = actor_tensor if model.num_kv_heads % actor_tensor == 0 else 1
-    kv = sequences * length * layers * 2 * model.num_kv_heads * model.resolved_head_dim * compute_size / kv_split
+    kv = (sequences * model.keys_over_layers(length) * 2 * model.num_kv_heads * model.resolved_head_dim * compute_size
+          / kv_split)
     weights = param_count * compute_size / actor_count
     actor_bytes = 2 * weights + kv * (1 + 1 / banks)
     if layout.actor_devices == 0:

@@ -49,7 +49,8 @@ class Report:
 
 def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -> float:
     """Useful FLOPs of one GRPO step, all hosts: 2 per weight per token forward (6 with the backward), plus
-    attention (4 x layers x heads x head_dim per token per key attended). The learner's over real tokens only:
+    attention (4 x heads x head_dim per token per key attended, in each layer; a sliding-window layer attends at
+    most its window). The learner's over real tokens only:
     sequences of the expected lengths (optim.expected_prompt_len / expected_completion_len; 0, the default:
     the padded bucket lengths), whatever the layout computes around them (padding, or packed rows' masked
     attention); the sampler's at the bucket lengths. Remat's recomputation and replicated work are not useful
@@ -63,10 +64,10 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -
     expected_new = min(optim.expected_completion_len or new, new)
     head = model.hidden_size * model.vocab_size
     body = param_count - head * (1 if model.tie_embeddings else 2)  # the embedding lookup does no matmul
-    attention = 4 * model.num_layers * model.num_heads * model.resolved_head_dim
+    attention = 4 * model.num_heads * model.resolved_head_dim  # per layer, per token, per key
 
     def forward(tokens: int, scored: int, keys: float) -> float:
-        return 2 * body * tokens + attention * tokens * keys + 2 * head * scored
+        return 2 * body * tokens + attention * tokens * model.keys_over_layers(keys) + 2 * head * scored
 
     length = expected_prompt + expected_new - 1
     learner_row = forward(length, expected_new, length / 2)

@@ -16,6 +16,9 @@ sit finished while a few run on. This engine keeps a fixed number of sequences i
   A new sequence's prompt goes into the L columns just before the current one, so slots can start at any
   step. A sequence spans at most max_prompt_len + max_new_tokens - 1 columns, so it never overwrites itself.
   Attention is permutation-invariant over keys (RoPE is applied before caching), so the ring order is free.
+  Sliding-window layers (Gemma 3's local layers) keep a ring of their own of W = min(L, sliding_window)
+  columns, written at t % W: writing a token overwrites the one W positions back, which has just left the
+  window, so the ring holds exactly the keys the layer may read (local_key_mask marks the current sequence's).
 - Exactness. Sample i of a group draws token t from fold_in(keys[i], t), exactly as the static sampler's row
   does, so which slot (or bank, or chunk) a sample lands in does not change what it draws, up to float noise
   between batch shapes (a draw within rounding of a CDF boundary can flip).
@@ -72,6 +75,7 @@ class SlotState(NamedTuple):
     cache: tuple  # per layer (k, v), each [S, C, L, D]: keys/values of each slot's sequence, in ring columns (C:
     #               the KV heads, or each repeated so that the tensor axis splits them: sampler.cache_layout)
     key_mask: jax.Array  # [S, L] bool: the ring columns that hold a key of the slot's current sequence
+    local_key_mask: jax.Array  # [S, W] bool: the same for the sliding-window layers' ring (W = 0 without them)
     last_token: jax.Array  # [S] int32: the token sampled last, fed to the model at the next step
     position: jax.Array  # [S] int32: RoPE position of last_token (the number of tokens before it)
     generated: jax.Array  # [S] int32: tokens the slot's sequence has drawn, i.e. the index of its next draw
@@ -191,6 +195,7 @@ class Engine:
         self.num_banks = min(cfg.decode_streams, total)
         self.bank_slots = -(-total // self.num_banks)  # every bank the same shape: one compiled chunk program
         self.ring = cfg.max_prompt_len + cfg.max_new_tokens
+        self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
         mesh = weights_mesh(self.state) if mesh is None else mesh
         self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
         self.slot_shardings = None if mesh is None else self._slot_shardings(mesh, model.config.num_layers)
@@ -596,7 +601,9 @@ class Engine:
     def _empty_state_impl(self, slots: int, ring: int) -> SlotState:
         self.num_compilations += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, self.state)
-        return SlotState(cache=model.init_cache(slots, ring, self.cache_heads), key_mask=jnp.zeros((slots, ring), bool),
+        return SlotState(cache=model.init_cache(slots, ring, self.cache_heads, self.local_ring),
+                         key_mask=jnp.zeros((slots, ring), bool),
+                         local_key_mask=jnp.zeros((slots, self.local_ring), bool),
                          last_token=jnp.full((slots,), self.pad_id, jnp.int32),
                          position=jnp.zeros((slots,), jnp.int32), generated=jnp.zeros((slots,), jnp.int32),
                          limit=jnp.ones((slots,), jnp.int32), done=jnp.ones((slots,), bool),
@@ -609,6 +616,7 @@ class Engine:
         empty = index < 0
         # An empty slot's cache and key mask are left as found: admission overwrites both.
         return SlotState(cache=jax.tree.map(lambda x: x[take], state.cache), key_mask=state.key_mask[take],
+                         local_key_mask=state.local_key_mask[take],
                          last_token=state.last_token[take], position=state.position[take],
                          generated=state.generated[take], limit=state.limit[take],
                          done=state.done[take] | empty, keys=state.keys[take], clock=state.clock)
@@ -640,26 +648,35 @@ class Engine:
         logits = jnp.einsum("ve,re->vr", head, hidden[:, -1], preferred_element_type=jnp.float32)
         token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
                                        greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
-        ring = state.key_mask.shape[1]
         # An empty bank restarts its ring at 0: a batch that starts on empty slots is then laid out the same way
         # whatever ran before it (the order of attention's sums, and so the last bits, depends on the columns),
         # e.g. in a resumed run.
         clock = jnp.where(jnp.all(state.done), 0, state.clock)
-        columns = (clock - plen + jnp.arange(plen)) % ring  # the plen columns before the current one
-        at = (slot[:, None], slice(None), columns[None, :], slice(None))
+
+        def columns(ring):  # the columns of the last min(plen, ring) prompt tokens: those before the current one
+            kept = min(plen, ring)
+            return plen - kept, (clock - kept + jnp.arange(kept)) % ring
 
         def place(cache, new):  # new [R, C, P, D] -> entries' slots; indexing puts [E, P] first: [E, P, C, D]
-            return cache.at[at].set(new[source].transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+            first, cols = columns(cache.shape[2])
+            at = (slot[:, None], slice(None), cols[None, :], slice(None))
+            return cache.at[at].set(new[source, :, first:].transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+
+        def marked(key_mask):
+            first, cols = columns(key_mask.shape[1])
+            key_mask = key_mask.at[slot].set(False, mode="drop")
+            return key_mask.at[slot[:, None], cols[None, :]].set(mask[source, first:], mode="drop")
 
         cache = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.cache, prefill))
-        key_mask = state.key_mask.at[slot].set(False, mode="drop")
-        key_mask = key_mask.at[slot[:, None], columns[None, :]].set(mask[source], mode="drop")
+        key_mask = marked(state.key_mask)
+        local_key_mask = marked(state.local_key_mask) if self.local_ring else state.local_key_mask
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
 
         def put(x, value):
             return x.at[slot].set(value, mode="drop")
 
-        state = SlotState(cache=cache, key_mask=key_mask, last_token=put(state.last_token, token),
+        state = SlotState(cache=cache, key_mask=key_mask, local_key_mask=local_key_mask,
+                          last_token=put(state.last_token, token),
                           position=put(state.position, mask.sum(-1).astype(jnp.int32)[source]),
                           generated=put(state.generated, 1), limit=put(state.limit, limit),
                           done=put(state.done, jnp.isin(token, eos) | (limit <= 1)), keys=put(state.keys, keys),
@@ -676,19 +693,28 @@ class Engine:
         lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
         slots, ring = state.key_mask.shape
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
-        inv_freq = rope_inverse_frequencies(model.config)
+        config = model.config
+        inv_freq = rope_inverse_frequencies(config)
+        local_inv_freq = rope_inverse_frequencies(config, local=True)
 
         def body(carry):
             j, st, out_tokens, out_logprobs = carry
             column = st.clock % ring
             key_mask = jax.lax.dynamic_update_slice(st.key_mask, jnp.ones((slots, 1), bool), (0, column))
+            local_key_mask, local_column = st.local_key_mask, None
+            if self.local_ring:
+                local_column = st.clock % self.local_ring
+                local_key_mask = jax.lax.dynamic_update_slice(local_key_mask, jnp.ones((slots, 1), bool),
+                                                              (0, local_column))
             # The model's layers with this ring's mask (model.hidden_states builds a causal mask from the write
             # index, which a ring does not follow): every key marked in key_mask precedes the current token.
-            x = model.embed[st.last_token[:, None]].astype(model.compute_dtype)
+            x = model.embed_tokens(st.last_token[:, None])
             cache = []
             for i, layer in enumerate(model.layers):
-                x, layer_cache = layer(x, st.position[:, None], key_mask[:, None, :], inv_freq, st.cache[i], column,
-                                       None if lora is None else lora.layers[i])
+                local = config.is_local(i)
+                x, layer_cache = layer(x, st.position[:, None], (local_key_mask if local else key_mask)[:, None, :],
+                                       local_inv_freq if local else inv_freq, st.cache[i],
+                                       local_column if local else column, None if lora is None else lora.layers[i])
                 cache.append(layer_cache)
             hidden = model.final_norm(x)[:, 0]
             logits = jnp.einsum("ve,se->vs", head, hidden, preferred_element_type=jnp.float32)
@@ -700,7 +726,7 @@ class Engine:
             out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, j))
             generated = st.generated + live
             done = st.done | (live & jnp.isin(token, eos)) | (generated >= st.limit)
-            st = st._replace(cache=self._pinned(tuple(cache)), key_mask=key_mask,
+            st = st._replace(cache=self._pinned(tuple(cache)), key_mask=key_mask, local_key_mask=local_key_mask,
                              last_token=jnp.where(live, token, st.last_token), position=st.position + live,
                              generated=generated, done=done, clock=st.clock + 1)
             return j + 1, st, out_tokens, out_logprobs
