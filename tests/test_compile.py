@@ -314,6 +314,7 @@ PUBLISHED = {  # parameter counts of the public checkpoints
     # Gemma 3's technical report: 1,012M embedding + 10,759M other parameters in the language model (the 417M of
     # its vision encoder are not loaded).
     "Gemma-3-12B": 11.771e9,
+    "Qwen3-30B-A3B": 30.53e9,  # 3.3B of them active per token (test_moe)
 }
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint parity: tiny random Qwen2/Llama/Qwen3/Gemma 3 models built with transformers (torch, CPU,
-float32) must give the same logits and greedy continuations after load_hf_model, and survive save_hf_model.
+"""Hugging Face checkpoint parity: tiny random Qwen2/Llama/Qwen3/Qwen3-MoE/Gemma 3 models built with transformers
+(torch, CPU, float32) must give the same logits and greedy continuations after load_hf_model, and survive save_hf_model.
 Bad checkpoints must fail with a CheckpointError naming the file and tensor."""
 
 import dataclasses
@@ -55,6 +55,10 @@ SPECS = {
     # A local layer (a window of 4: the prompts of 9 and the 16 greedy tokens run past it) and a global one, each
     # with its RoPE (linear scaling on the global only), query/key norms, attention scaled by 24^-1/2.
     "gemma3": (transformers.Gemma3TextConfig, GEMMA3, None),
+    # 8 experts, 2 per token renormalised, in layer 0; layer 1 keeps a dense MLP (mlp_only_layers).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+                                                    tie_word_embeddings=False), None),
 }
 NEW_TOKENS = 16
 
@@ -168,6 +172,10 @@ def test_loaded_config_and_tokenizer(loaded):
     assert qwen3.config.architecture == "qwen3" and qwen3.config.qk_norm and not qwen3.config.qkv_bias
     assert qwen3.config.resolved_head_dim == 32 and qwen3.layers[0].attn.q_norm.weight.get_value().shape == (32,)
     assert tok.eos_ids == Tokenizer.byte_level().eos_ids and tok.vocab_size == 259
+    moe = loaded["qwen3_moe"][0]
+    assert moe.config.moe_layers == (0,) and moe.config.norm_topk_prob and moe.config.qk_norm
+    assert moe.layers[0].mlp.gate.get_value().shape == (8, 64, 48) and moe.layers[1].mlp.gate.get_value().shape == (
+        64, 128)
     gemma = loaded["gemma3"][0].config
     assert gemma.architecture == "gemma3" and gemma.tie_embeddings and gemma.qk_norm
     assert gemma.layer_types == ("sliding_attention", "full_attention") and gemma.sliding_window == 4
@@ -208,7 +216,7 @@ def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
     assert gemma_12b.rope_local_theta == 1e4 and gemma_12b.dtype == "bfloat16" and gemma_12b.tie_embeddings
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "qwen3", "gemma3", "qwen3_moe"])
 def test_export_loads_in_transformers(loaded, tmp_path, name):
     model, tok = loaded[name]
     save_hf_model(model, tmp_path, tokenizer=tok)

@@ -46,6 +46,8 @@ def randomized(adapters, seed: int = 1, scale: float = 0.2):
     key = jax.random.key(seed)
     for i, layer in enumerate(adapters.layers):
         for j, name in enumerate(adapters.config.targets):
+            if getattr(layer, name) is None:  # an MLP target in a layer with experts
+                continue
             b = getattr(layer, name).b
             b.set_value(scale * jax.random.normal(jax.random.fold_in(key, 100 * i + j), b.shape, b.get_value().dtype))
     return adapters
@@ -254,7 +256,7 @@ def test_merged_export_gives_the_adapted_models_logits(tmp_path):
                                   np.asarray(param_dict(model)["layers.0.attn.k"]))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gemma3", "qwen3_moe"])
 def test_peft_adapter_loads_onto_the_transformers_base_with_equal_logits(tmp_path, family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -262,27 +264,33 @@ def test_peft_adapter_loads_onto_the_transformers_base_with_equal_logits(tmp_pat
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config_class = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-                    "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[family]
+                    "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[family]
     # Gemma 3: a local layer over a window of 3 tokens, then a global one.
     gemma = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)
+    # Qwen3-MoE: experts in layer 0, a dense MLP in layer 1; adapters on attention only (run.plan refuses MLP
+    # targets for a model with experts).
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
     hf_config = config_class(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                              tie_word_embeddings=family != "llama", bos_token_id=None, eos_token_id=None,
-                             pad_token_id=None, **(gemma if family == "gemma3" else {}))
+                             pad_token_id=None, **{"gemma3": gemma, "qwen3_moe": moe}.get(family, {}))
     torch_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in torch_model.named_parameters():  # transformers' init leaves biases 0, norms 1
             p.copy_((1 + 0.2 * torch.randn(p.shape)) if name.endswith("norm.weight") else 0.2 * torch.randn(p.shape))
     torch_model.save_pretrained(tmp_path / "base")
     model, _ = load_hf_model(tmp_path / "base")
-    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.05)
+    targets = ("q", "k", "v", "o") if family == "qwen3_moe" else TARGETS
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.05, targets=targets)
     adapters = randomized(init_adapters(model.config, lora, seed=2), scale=0.3)
     save_peft_adapter(adapters, model.config, tmp_path / "adapter", base_model_path=str(tmp_path / "base"))
 
     written = safetensors.numpy.load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS_FILE)
     assert written["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"].shape == (4, 64)
     assert written["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (32, 4)
-    assert written["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 96)
+    if "down" in targets:
+        assert written["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 96)
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_FILE).read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
 

@@ -219,6 +219,9 @@ class TrainBatch:
     # Packed rows: [B, C] the positions (of the L - 1) that score a trained token, in order, then -1; only they
     # go through the vocabulary projection (C = the completion bucket: the padded layout's cost per row).
     scored_positions: jax.Array | None = None
+    # Routing replay: [B, L-1, layers with experts, experts per token] int32, the experts each input token (tokens[:,
+    # :-1]) went through when it was sampled (Transformer.hidden_states' routing); None: the learner's router picks.
+    routing: jax.Array | None = None
 
     def scored(self, x: jax.Array) -> jax.Array:
         """The [B, L-1, ...] per-position array cut to the positions that score completion tokens."""
@@ -244,20 +247,20 @@ def take_scored(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array, with_entropy: bool = False,
                    last: int = 0, temperature: float = 1.0, adapters=None, dropout_key=None, top_k: int = 0,
-                   top_p: float = 1.0, chunk: int = 0, scored_positions: jax.Array | None = None):
+                   top_p: float = 1.0, chunk: int = 0, scored_positions: jax.Array | None = None, routing=None):
     """Log-prob of each next token under the sampler's distribution (tempered_logprobs: softmax(logits /
     temperature), truncated by top_k / top_p), [B, L-1] (or only the last `last` positions, [B, last], or only
     `scored_positions` [B, C], [B, C]), and optionally the entropy of each next-token distribution.
     input_mask: bool real tokens (one sequence per row), or int segment labels (packed rows, TrainBatch):
     each token attends only to its own sequence, whose positions start at 0. adapters, dropout_key: LoRA on
     top of the model (Transformer.hidden_states). chunk: positions whose logits exist at once
-    (chunked_logprobs); 0: all."""
+    (chunked_logprobs); 0: all. routing: [B, L-1, ...] experts to route the input tokens to (routing replay)."""
     positions = positions_from_mask(input_mask)
     packed = jnp.asarray(input_mask).dtype != jnp.bool_
     key_mask = input_mask > 0 if packed else input_mask
     segments = input_mask[:, :-1] if packed else None
     hidden, _ = model.hidden_states(tokens[:, :-1], positions[:, :-1], key_mask[:, :-1], adapters=adapters,
-                                    dropout_key=dropout_key, segment_ids=segments)
+                                    dropout_key=dropout_key, segment_ids=segments, routing=routing)
     targets = tokens[:, 1:]
     if scored_positions is not None:
         hidden, targets = take_scored(hidden, scored_positions), take_scored(targets, scored_positions)
@@ -269,7 +272,7 @@ def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array,
 def batch_logprobs(model: Transformer, batch: TrainBatch, **options):
     """token_logprobs at the batch's scored positions, [B, C] (either layout); options as token_logprobs's."""
     return token_logprobs(model, batch.tokens, batch.input_mask, last=batch.completion_len,
-                          scored_positions=batch.scored_positions, **options)
+                          scored_positions=batch.scored_positions, routing=batch.routing, **options)
 
 
 def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0,
@@ -465,10 +468,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
 
     def step(params, opt_state, batch: TrainBatch, ref_params, frozen, dropout_key, step_index):
         old = forward_logprobs(graphdef, params, batch, frozen) if updates > 1 else None
+        # The KL reference is another policy: its own router routes (the replayed routing is the sampler's).
+        unrouted = dataclasses.replace(batch, routing=None)
         if base_graphdef is not None:
-            ref = forward_logprobs(graphdef, None, batch, frozen) if loss_config.needs_reference else None
+            ref = forward_logprobs(graphdef, None, unrouted, frozen) if loss_config.needs_reference else None
         else:
-            ref = forward_logprobs(ref_graphdef, ref_params, batch) if ref_params is not None else None
+            ref = forward_logprobs(ref_graphdef, ref_params, unrouted) if ref_params is not None else None
         minis = split_rows(_Rows(batch, old, ref), mini_batches)
         key = None if dropout_key is None else jax.random.wrap_key_data(dropout_key)
 
@@ -639,11 +644,14 @@ def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fil
 
 
 def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
-               prompt_len: int, completion_len: int, valid: np.ndarray | None = None) -> TrainBatch:
+               prompt_len: int, completion_len: int, valid: np.ndarray | None = None,
+               routing: list | None = None) -> TrainBatch:
     """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
     sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length.
     valid [rows] bool (None: all): False marks a row whose reward failed; it gets loss_mask 0, so it trains
-    nothing and counts in no denominator or metric, exactly like a padding row. Returns NumPy arrays."""
+    nothing and counts in no denominator or metric, exactly like a padding row. routing: per row, the experts
+    of its input tokens ([prompt + completion - 1, layers, k], GroupResult.routing), or None. Returns NumPy
+    arrays."""
     try:
         prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
         completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
@@ -663,11 +671,31 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
             raise ValueError(f"valid has shape {valid.shape}, expected ({size},): one flag per row")
         loss_mask[~valid] = 0.0
     behaviour[:, prompt_len - 1:] = behaviour_scored
+    starts = prompt_len - np.fromiter((len(p) for p in prompts), np.int64, size)
     # Host arrays: the caller places them (the trainer commits them to the learner's batch sharding).
     return TrainBatch(tokens=np.concatenate([prompt_ids, completion_ids], axis=1),
                       input_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
                       loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32),
-                      behaviour_logprobs=behaviour, completion_len=completion_len)
+                      behaviour_logprobs=behaviour, completion_len=completion_len,
+                      routing=None if routing is None else place_routing(routing, starts, length - 1))
+
+
+def place_routing(routing: list, starts: np.ndarray, positions: int) -> np.ndarray:
+    """[rows, positions, layers, k] int32: row i's routing (its input tokens' experts) from position starts[i] on,
+    where its first token is; 0 (any expert: no trained token reads it) elsewhere."""
+    out = np.zeros((len(routing), positions, *routing_shape(routing)), np.int32)
+    for i, (r, start) in enumerate(zip(routing, starts)):
+        r = np.asarray(r, np.int32)[:positions - start]
+        out[i, start:start + len(r)] = r
+    return out
+
+
+def routing_shape(routing: list) -> tuple[int, int]:
+    """(layers with experts, experts per token) of a batch's per-row routing arrays [tokens, layers, k]."""
+    shapes = {np.shape(r)[1:] for r in routing}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"routing: rows of shapes {sorted(shapes)}; expected [tokens, layers, experts per token]")
+    return next(iter(shapes))
 
 
 # ------------------------------------------------------------------ packed rows
@@ -732,7 +760,8 @@ def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_leng
 
 def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                    row_length: int, scored_length: int, mini_batches: int = 1, valid: np.ndarray | None = None,
-                   first_sequence: int = 0, layout: PackedLayout | None = None, rows: int | None = None) -> TrainBatch:
+                   first_sequence: int = 0, layout: PackedLayout | None = None, rows: int | None = None,
+                   routing: list | None = None) -> TrainBatch:
     """Packed rows (TrainBatch's second layout) of the sequences pack_batch would lay out one per row, with the
     same arguments (prompt and completion rows, behaviour log-probs cut to their completion, advantages [n],
     valid [n]). Positions, attention and the losses' per-sequence reductions follow each sequence, so the
@@ -770,8 +799,14 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
     # Each row's trained positions in order, then -1 (a stable sort puts the trained ones first).
     order = np.argsort(loss_mask == 0, axis=1, kind="stable")[:, :scored_length]
     scored = np.where(np.take_along_axis(loss_mask, order, axis=1) > 0, order, -1).astype(np.int32)
+    packed_routing = None
+    if routing is not None:  # each sequence's routing where its tokens are in its row
+        packed_routing = np.zeros((rows, row_length - 1, *routing_shape(routing)), np.int32)
+        for i in np.flatnonzero(layout.row >= 0):
+            inputs = np.asarray(routing[i], np.int32)[:len(prompts[i]) + len(completions[i]) - 1]
+            packed_routing[layout.row[i], layout.offset[i]:layout.offset[i] + len(inputs)] = inputs
     return TrainBatch(tokens=tokens, input_mask=labels, loss_mask=loss_mask, advantages=packed_advantages,
-                      behaviour_logprobs=behaviour, scored_positions=scored)
+                      behaviour_logprobs=behaviour, scored_positions=scored, routing=packed_routing)
 
 
 def sequence_lengths(prompts: list, completions: list, valid: np.ndarray | None = None):

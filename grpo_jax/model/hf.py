@@ -40,9 +40,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {family: arch for arch, family in ARCHITECTURES.items()}
-MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # config.json's
+MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+               "gemma3_text": "gemma3"}  # config.json's
 _HF_MODEL_TYPE = {family: model_type for model_type, family in MODEL_TYPES.items()}
 MULTIMODAL_GEMMA3 = "Gemma3ForConditionalGeneration"  # its text_config and language model are loaded
 # Where a checkpoint's language model lies: a causal LM's own, transformers 5's and transformers 4's multimodal one.
@@ -57,11 +58,11 @@ GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size
 # Old checkpoints store the rotary table; it is recomputed from the config, so ignoring it is safe.
 _HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 # Default max_position_embeddings of each family in transformers, used when config.json omits it.
-_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048, "qwen3": 32768, "gemma3": 131072}
+_DEFAULT_MAX_POS = {"qwen2": 32768, "llama": 2048, "qwen3": 32768, "qwen3_moe": 32768, "gemma3": 131072}
 _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
 # The ModelConfig fields a run chooses for a loaded checkpoint (the trainer's `model` section with model_path);
 # every other field is architecture and comes from the checkpoint's config.json.
-RUN_SETTINGS = ("dtype", "param_dtype", "remat")
+RUN_SETTINGS = ("dtype", "param_dtype", "remat", "moe_dispatch", "routing_replay")
 
 
 # ---- config -------------------------------------------------------------------------------------------
@@ -173,9 +174,9 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
             raise CheckpointError(f"{where}: use_bidirectional_attention=true is not supported (causal LMs only)")
     elif cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported")
-    if family in ("llama", "qwen3", "gemma3") and cfg.get("mlp_bias"):
+    if family in ("llama", "qwen3", "qwen3_moe", "gemma3") and cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: mlp_bias=true is not supported")
 
     max_pos = cfg.get("max_position_embeddings") or _DEFAULT_MAX_POS[family]
@@ -190,6 +191,17 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
                      query_pre_attn_scalar=int(cfg["query_pre_attn_scalar"]))
     else:
         theta, scaling = _rope_from_hf(cfg, where, max_pos)
+    moe = {}
+    if family == "qwen3_moe":
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        moe = dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                   moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                   decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                   mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if not isinstance(moe[key], int):
+                raise CheckpointError(f"{where}: {key} must be an integer, got {moe[key]!r}")
     # float16 is not a compute dtype here; widening it to float32 is exact.
     dtype = {"bfloat16": "bfloat16"}.get(cfg.get("dtype") or cfg.get("torch_dtype"), "float32")
     heads = cfg["num_attention_heads"]
@@ -207,7 +219,7 @@ def _hf_config_to_model_config(cfg: dict, where: str) -> ModelConfig:
         # attention_bias.
         qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family, **gemma)
+        max_position_embeddings=max_pos, dtype=dtype, param_dtype=dtype, architecture=family, **gemma, **moe)
     problems = model_cfg.validate()
     if problems:
         raise CheckpointError(f"{where}: invalid model config: " + "; ".join(problems))
@@ -243,10 +255,15 @@ def model_config_to_hf_config(cfg: ModelConfig) -> dict:
         "dtype": cfg.param_dtype,  # transformers 5
         "use_cache": True,
     }
-    if cfg.architecture in ("qwen2", "qwen3"):
+    if cfg.architecture in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
-    if cfg.architecture in ("llama", "qwen3", "gemma3"):
+    if cfg.num_experts:
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                   output_router_logits=False)
+    if cfg.architecture in ("llama", "qwen3", "qwen3_moe", "gemma3"):
         out["attention_bias"] = cfg.qkv_bias
         out["mlp_bias"] = False
     if cfg.gemma:
@@ -288,6 +305,7 @@ class _Entry:
     ours: str | None  # dotted param path; None: a tensor we do not have, which must be all zeros
     hf_shape: tuple[int, ...]
     kind: str  # "copy", "linear" (transpose), "in_heads" (q/k/v), "out_heads" (o), "bias_heads", "zero"
+    expert: int | None = None  # the index in our stacked experts ([experts, ...]) of this one expert's tensor
 
 
 def _head_name(prefix: str) -> str:
@@ -321,10 +339,18 @@ def _layout(cfg: ModelConfig, prefix: str = "model.") -> list[_Entry]:
             _Entry(p + "self_attn.k_proj.weight", a + "attn.k", (kv * d, e), "in_heads"),
             _Entry(p + "self_attn.v_proj.weight", a + "attn.v", (kv * d, e), "in_heads"),
             _Entry(p + "self_attn.o_proj.weight", a + "attn.o", (e, h * d), "out_heads"),
-            _Entry(p + "mlp.gate_proj.weight", a + "mlp.gate", (m, e), "linear"),
-            _Entry(p + "mlp.up_proj.weight", a + "mlp.up", (m, e), "linear"),
-            _Entry(p + "mlp.down_proj.weight", a + "mlp.down", (e, m), "linear"),
         ]
+        if cfg.is_moe(i):  # the router, and each expert's SwiGLU as Qwen3-MoE checkpoints store them
+            mm = cfg.moe_intermediate_size
+            out.append(_Entry(p + "mlp.gate.weight", a + "mlp.router", (cfg.num_experts, e), "linear"))
+            # One of our stacked tensors after the other (save_hf_model fetches each once).
+            for name, ours, shape in (("gate", "gate", (mm, e)), ("up", "up", (mm, e)), ("down", "down", (e, mm))):
+                out += [_Entry(f"{p}mlp.experts.{j}.{name}_proj.weight", f"{a}mlp.{ours}", shape, "linear", j)
+                        for j in range(cfg.num_experts)]
+        else:
+            out += [_Entry(p + "mlp.gate_proj.weight", a + "mlp.gate", (m, e), "linear"),
+                    _Entry(p + "mlp.up_proj.weight", a + "mlp.up", (m, e), "linear"),
+                    _Entry(p + "mlp.down_proj.weight", a + "mlp.down", (e, m), "linear")]
         if cfg.architecture == "qwen2" or cfg.qkv_bias:
             for name, heads in (("q", h), ("k", kv), ("v", kv)):
                 ours = a + f"attn.{name}_bias" if cfg.qkv_bias else None
@@ -485,7 +511,10 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
 
     # Build an abstract model (shapes only, no random init) and fill each parameter from the checkpoint.
     model = abstract_model(cfg)
-    by_name = {e.ours: e for e in _layout(cfg, prefix) if e.ours is not None}
+    by_name: dict[str, list[_Entry]] = {}
+    for entry in _layout(cfg, prefix):
+        if entry.ours is not None:
+            by_name.setdefault(entry.ours, []).append(entry)
     target = np.dtype(DTYPES[cfg.param_dtype])
     if mesh is not None:
         from grpo_jax.parallel.sharding import DEFAULT_RULES, spec_for
@@ -494,10 +523,15 @@ def load_hf_model(path: str | os.PathLike, dtype: str | None = None, param_dtype
         if not isinstance(var, nnx.Param):
             continue
         name = ".".join(str(k) for k in path_tuple)
-        entry = by_name[name]
+        entries = by_name[name]
         shape = var.get_value().shape
-        # One host copy per tensor (transpose + dtype cast), then straight to its device(s).
-        array = _to_ours(entry, files[entry.hf_name].get(entry.hf_name), shape).astype(target)
+        # One host copy per tensor (transpose + dtype cast), then straight to its device(s); experts stacked.
+        if entries[0].expert is None:
+            array = _to_ours(entries[0], files[entries[0].hf_name].get(entries[0].hf_name), shape).astype(target)
+        else:
+            array = np.empty(shape, target)
+            for entry in entries:
+                array[entry.expert] = _to_ours(entry, files[entry.hf_name].get(entry.hf_name), shape[1:])
         if mesh is None:
             var.set_value(jnp.asarray(array))
         else:
@@ -547,12 +581,20 @@ def save_hf_model(model: Transformer, path: str | os.PathLike, tokenizer: Tokeni
         current_bytes += nbytes
     shards.append(current)
 
+    stacked: dict[str, np.ndarray] = {}  # the experts tensor being written, fetched once for all its experts
+
     def hf_array(entry: _Entry) -> np.ndarray:
         if entry.ours is None:
             return np.zeros(entry.hf_shape, DTYPES[cfg.param_dtype])
         # One tensor at a time so host memory holds one shard, not the whole model twice.
-        array = np.asarray(fetch(params[entry.ours])).astype(DTYPES[cfg.param_dtype], copy=False)
-        return _to_hf(entry, array)
+        if entry.expert is None:
+            array = fetch(params[entry.ours])
+        else:
+            if entry.ours not in stacked:
+                stacked.clear()
+                stacked[entry.ours] = fetch(params[entry.ours])
+            array = stacked[entry.ours][entry.expert]
+        return _to_hf(entry, np.asarray(array).astype(DTYPES[cfg.param_dtype], copy=False))
 
     names = [WEIGHTS_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

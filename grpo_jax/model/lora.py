@@ -136,10 +136,14 @@ class LayerAdapters(nnx.Module):
     Always float32, whatever model.param_dtype: they are the master weights that updates accumulate into,
     and they are small; the frozen base, which no update touches, may then be held in bfloat16."""
 
-    def __init__(self, model_config: ModelConfig, config: LoraConfig, rngs: nnx.Rngs):
+    def __init__(self, model_config: ModelConfig, config: LoraConfig, rngs: nnx.Rngs, layer: int = 0):
+        # A layer with experts has no gate/up/down projection of its own to adapt: its experts train only with the
+        # full model (run.plan refuses MLP targets for a model with experts: PEFT reads gate_proj, up_proj and
+        # down_proj of a Qwen3-MoE as its experts').
+        skipped = ("gate", "up", "down") if model_config.is_moe(layer) else ()
         for name in TARGETS:
             adapter = None
-            if name in config.targets:
+            if name in config.targets and name not in skipped:
                 adapter = LoraAdapter(*projection_layout(model_config, name), config, jnp.float32, rngs)
             setattr(self, name, adapter)
 
@@ -161,7 +165,7 @@ class Adapters(nnx.Module):
         if not config.enabled or problems:
             raise ValueError(f"invalid lora config {config}: " + ("; ".join(problems) or "rank must be > 0"))
         self.config = config
-        self.layers = nnx.List([LayerAdapters(model_config, config, rngs) for _ in range(model_config.num_layers)])
+        self.layers = nnx.List([LayerAdapters(model_config, config, rngs, i) for i in range(model_config.num_layers)])
 
 
 def init_adapters(model_config: ModelConfig, config: LoraConfig, seed: int = 0) -> Adapters:
@@ -174,7 +178,8 @@ def _adapted(model: Transformer, adapters: Adapters):
     for i, (layer, layer_adapters) in enumerate(zip(model.layers, adapters.layers)):
         for name in adapters.config.targets:
             module = layer.attn if name in ("q", "k", "v", "o") else layer.mlp
-            yield i, name, getattr(module, name), getattr(layer_adapters, name)
+            if getattr(layer_adapters, name) is not None:
+                yield i, name, getattr(module, name), getattr(layer_adapters, name)
 
 
 def merge_adapters(model: Transformer, adapters: Adapters) -> Transformer:
@@ -197,6 +202,8 @@ def peft_tensors(model_config: ModelConfig, adapters: Adapters) -> dict[str, np.
     for i, layer_adapters in enumerate(adapters.layers):
         for name in adapters.config.targets:
             adapter = getattr(layer_adapters, name)
+            if adapter is None:  # an MLP target in a layer with experts
+                continue
             a = np.asarray(jax.device_get(adapter.a[...]))
             b = np.asarray(jax.device_get(adapter.b[...]))
             prefix = f"base_model.model.model.layers.{i}.{HF_MODULES[name]}"

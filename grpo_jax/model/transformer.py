@@ -1,10 +1,13 @@
-"""Decoder-only transformer for the Llama 3, Qwen2/Qwen2.5, Qwen3 (dense) and Gemma 3 (text) families, in Flax NNX.
+"""Decoder-only transformer for the Llama 3, Qwen2/Qwen2.5, Qwen3 (dense and MoE) and Gemma 3 (text) families, in
+Flax NNX.
 
 One module covers them all: Llama and Qwen differ only in QKV bias, per-head query/key norms, tied embeddings and
 RoPE scaling. Gemma 3 adds, per its architecture name: norms that scale by (1 + weight), a norm on the output of
 attention and of the MLP besides the one on their input, a tanh-approximated GELU gate, embeddings scaled by
 sqrt(hidden_size), attention scaled by query_pre_attn_scalar, and local layers (`layer_types`) that attend only to
-the last `sliding_window` tokens, with a RoPE base of their own (`rope_local_theta`, unscaled).
+the last `sliding_window` tokens, with a RoPE base of their own (`rope_local_theta`, unscaled). Qwen3-MoE replaces
+the MLP of its sparse layers by a mixture of experts (MoE), whose routing can be given (routing replay: the learner
+routes each token as the actor did).
 Weights are laid out per head ([embed, heads, head_dim]) so that tensor parallelism splits heads and
 the Hugging Face conversion is a reshape. Every parameter carries logical axis names; `sharding.py`
 maps them onto a mesh.
@@ -30,7 +33,8 @@ from flax import nnx
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALING_TYPES = ("llama3", "linear")
-ARCHITECTURES = ("qwen2", "llama", "qwen3", "gemma3")
+ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
+MOE_DISPATCH = ("ragged", "dense")  # ModelConfig.moe_dispatch
 LAYER_TYPES = ("full_attention", "sliding_attention")  # ModelConfig.layer_types, as Hugging Face names them
 
 
@@ -63,6 +67,25 @@ class ModelConfig:
     sliding_window: int = 0
     rope_local_theta: float = 0.0  # the local layers' RoPE base (0: rope_theta); rope_scaling is not applied there
     query_pre_attn_scalar: int = 0  # attention scores are scaled by its -1/2 power (0: head_dim)
+    # Mixture of experts (Qwen3-MoE): in each sparse layer a router picks num_experts_per_tok of num_experts SwiGLU
+    # experts (moe_intermediate_size wide) per token, weighted by their softmax probabilities (renormalised over the
+    # chosen ones with norm_topk_prob). Sparse layers: every decoder_sparse_step-th (1-based) not in mlp_only_layers;
+    # the others keep the dense MLP (intermediate_size).
+    num_experts: int = 0  # 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # "ragged": tokens sorted by expert, each expert's rows one group of jax.lax.ragged_dot (no capacity, no token
+    # dropped, FLOPs of the chosen experts only); "dense": every expert on every token, weighted by a mostly-zero
+    # matrix (the reference the tests hold the ragged path to).
+    moe_dispatch: str = "ragged"
+    # Routing replay: the actor records the experts each token went to and the learner routes it there (its own
+    # router's probabilities at those experts still weight them, so the router trains); without it the learner's
+    # router picks again, and a near tie decided otherwise by the two numerically different passes trains a token
+    # through experts that did not sample it.
+    routing_replay: bool = True
 
     def __hash__(self):
         # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
@@ -76,8 +99,9 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """An RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3), with weights of head_dim."""
-        return self.architecture in ("qwen3", "gemma3")
+        """An RMSNorm over each query and key head before RoPE (Qwen3, Qwen3-MoE, Gemma 3), with weights of
+        head_dim."""
+        return self.architecture in ("qwen3", "qwen3_moe", "gemma3")
 
     @property
     def gemma(self) -> bool:
@@ -88,6 +112,23 @@ class ModelConfig:
     def is_local(self, layer: int) -> bool:
         """Whether `layer` attends over the sliding window only."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (Hugging Face's Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    @property
+    def inactive_expert_params(self) -> int:
+        """Expert weights a token does not use (num_experts - num_experts_per_tok of each MoE layer): what the
+        parameter count overstates a token's FLOPs by (MFU counts active parameters)."""
+        unused = self.num_experts - self.num_experts_per_tok
+        return len(self.moe_layers) * unused * 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with experts, in order: the rows of a token's routing ([moe layers, num_experts_per_tok])."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe(i))
 
     @property
     def has_local_layers(self) -> bool:
@@ -139,6 +180,25 @@ class ModelConfig:
         if self.has_local_layers and self.architecture != "gemma3":
             problems.append(f"layer_types: sliding_attention layers are part of architecture gemma3 only (got "
                             f"{self.architecture!r}, whose Hugging Face class would ignore the window)")
+        if self.num_experts:
+            if self.architecture != "qwen3_moe":
+                problems.append(f"num_experts={self.num_experts}: experts are part of architecture qwen3_moe only "
+                                f"(got {self.architecture!r})")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                problems.append(f"num_experts_per_tok={self.num_experts_per_tok}: must be in 1..num_experts="
+                                f"{self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                problems.append(f"moe_intermediate_size={self.moe_intermediate_size}: must be a positive integer")
+            if self.decoder_sparse_step <= 0:
+                problems.append(f"decoder_sparse_step={self.decoder_sparse_step}: must be a positive integer")
+            if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+                problems.append(f"mlp_only_layers={list(self.mlp_only_layers)}: layer indices in "
+                                f"0..{self.num_layers - 1}")
+        elif self.architecture == "qwen3_moe":
+            problems.append("num_experts=0: architecture qwen3_moe needs experts (num_experts, num_experts_per_tok, "
+                            "moe_intermediate_size)")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            problems.append(f"moe_dispatch={self.moe_dispatch!r}: allowed {list(MOE_DISPATCH)}")
         for key in ("rope_local_theta", "query_pre_attn_scalar"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 0 (0 means the default)")
@@ -317,29 +377,101 @@ class MLP(nnx.Module):
         return down.reshape(x.shape)
 
 
-class Block(nnx.Module):
+class MoE(nnx.Module):
+    """A Qwen3-MoE sparse MLP: a router [embed, experts] and num_experts SwiGLU experts stacked on a leading
+    `expert` axis (gate, up [experts, embed, moe_mlp], down [experts, moe_mlp, embed]). Routing is computed in
+    float32 (softmax, top-k, renormalised with norm_topk_prob), as transformers computes it."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, m, x = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        pd = DTYPES[config.param_dtype]
+        self.router = _param(rngs, _normal, (e, x), pd, ("embed", "router"))
+        self.gate = _param(rngs, _normal, (x, e, m), pd, ("expert", "embed", "moe_mlp"))
+        self.up = _param(rngs, _normal, (x, e, m), pd, ("expert", "embed", "moe_mlp"))
+        self.down = _param(rngs, _normal, (x, m, e), pd, ("expert", "moe_mlp", "embed"))
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.dispatch = config.moe_dispatch
+
+    def __call__(self, x, routing=None):
+        """x: [B, T, E]; routing: [B, T, k] int32 expert ids to use instead of the router's own top-k (routing
+        replay: the weights are still the router's probabilities at those experts, so the router trains), or None.
+        Returns the output [B, T, E] and the experts used [B, T, k] int32."""
+        dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1])  # [N, E]
+        logits = rows @ self.router[...].astype(dtype)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, X]
+        if routing is None:
+            weights, experts = jax.lax.top_k(probs, self.top_k)
+        else:
+            experts = routing.reshape(-1, self.top_k).astype(jnp.int32)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        weights = weights.astype(dtype)
+        gate, up, down = (w[...].astype(dtype) for w in (self.gate, self.up, self.down))
+        if self.dispatch == "dense":
+            out = _dense_experts(rows, experts, weights, gate, up, down)
+        else:
+            out = _ragged_experts(rows, experts, weights, gate, up, down)
+        return out.reshape(x.shape), experts.reshape(*x.shape[:2], self.top_k)
+
+
+def _dense_experts(rows, experts, weights, gate, up, down):
+    """Every expert on every row, combined by a [N, X] matrix that is zero off the chosen experts: the reference
+    (num_experts / k times the FLOPs of the chosen experts)."""
+    combine = jnp.zeros((rows.shape[0], gate.shape[0]), weights.dtype)
+    combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
+    hidden = jax.nn.silu(jnp.einsum("ne,xem->nxm", rows, gate)) * jnp.einsum("ne,xem->nxm", rows, up)
+    return jnp.einsum("nxm,xme,nx->ne", hidden, down, combine)
+
+
+def _ragged_experts(rows, experts, weights, gate, up, down):
+    """Capacity-free dispatch: the N x k (row, expert) pairs sorted by expert, each expert's run of rows one group
+    of jax.lax.ragged_dot (grouped matmul), then each output scaled by its weight and added back to its row.
+    No token is dropped and no padding computed: FLOPs and activations of the chosen experts only."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    source = order // k  # the row of each sorted pair
+    group_sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    sorted_rows = rows[source]
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(sorted_rows, gate, group_sizes))
+              * jax.lax.ragged_dot(sorted_rows, up, group_sizes))
+    out = jax.lax.ragged_dot(hidden, down, group_sizes) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(rows).at[source].add(out)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         e = config.hidden_size
         self.input_norm = _norm(config, e, rngs)
         self.attn = Attention(config, rngs)
         self.post_attn_norm = _norm(config, e, rngs)  # the MLP's input norm (Hugging Face: post_attention_layernorm,
         #                                                 or Gemma's pre_feedforward_layernorm)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoE(config, rngs) if config.is_moe(layer) else MLP(config, rngs)
         if config.gemma:  # norms on attention's and the MLP's outputs, before each residual add
             self.attn_out_norm, self.mlp_out_norm = _norm(config, e, rngs), _norm(config, e, rngs)
         else:
             self.attn_out_norm = self.mlp_out_norm = None
 
-    def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
+    def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None,
+                 routing=None):
+        """Returns the layer's output, its cache and, in a layer with experts, the experts each token used
+        ([B, T, k]; `routing` when given, see MoE), else None."""
         attn_out, cache = self.attn(self.input_norm(x), positions, mask, inv_freq, cache, write_index, adapters,
                                     dropout_key)
         if self.attn_out_norm is not None:
             attn_out = self.attn_out_norm(attn_out)
         x = x + attn_out
-        mlp_out = self.mlp(self.post_attn_norm(x), adapters, dropout_key)
+        experts = None
+        if isinstance(self.mlp, MoE):  # no adapters on experts (lora.py)
+            mlp_out, experts = self.mlp(self.post_attn_norm(x), routing)
+        else:
+            mlp_out = self.mlp(self.post_attn_norm(x), adapters, dropout_key)
         if self.mlp_out_norm is not None:
             mlp_out = self.mlp_out_norm(mlp_out)
-        return x + mlp_out, cache
+        return x + mlp_out, cache, experts
 
 
 KVCache = tuple  # per layer: (k, v), each [batch, kv_heads (or a multiple: init_cache), cache_len, head_dim]
@@ -353,7 +485,7 @@ class Transformer(nnx.Module):
         self.config = config
         pd = DTYPES[config.param_dtype]
         self.embed = _param(rngs, _normal, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
-        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([Block(config, rngs, i) for i in range(config.num_layers)])
         self.final_norm = _norm(config, config.hidden_size, rngs)
         if config.tie_embeddings:
             self.lm_head = None
@@ -390,8 +522,17 @@ class Transformer(nnx.Module):
         return tuple((zeros(i), zeros(i)) for i in range(c.num_layers))
 
     def hidden_states(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0,
-                      adapters=None, dropout_key=None, segment_ids=None):
-        """Final-normed hidden states [B, T, E] and the updated cache.
+                      adapters=None, dropout_key=None, segment_ids=None, routing=None):
+        """Final-normed hidden states [B, T, E] and the updated cache (hidden_states_and_routing, without the
+        routing)."""
+        hidden, cache, _ = self.hidden_states_and_routing(tokens, positions, key_mask, cache, write_index, adapters,
+                                                          dropout_key, segment_ids, routing)
+        return hidden, cache
+
+    def hidden_states_and_routing(self, tokens, positions, key_mask, cache: KVCache | None = None, write_index=0,
+                                  adapters=None, dropout_key=None, segment_ids=None, routing=None):
+        """Final-normed hidden states [B, T, E], the updated cache, and the experts each token used in each layer
+        with experts ([B, T, len(config.moe_layers), num_experts_per_tok] int32; None for a dense model).
 
         tokens, positions: [B, T] int. key_mask: [B, S] bool, which keys are real tokens (S == T without
         a cache, else the cache length, with this call's tokens already marked). A query at index t (cache
@@ -401,6 +542,8 @@ class Transformer(nnx.Module):
         (several sequences packed in one row; no token attends across sequences, forward or backward).
         adapters: lora.Adapters applied on top of these weights (None: the model alone); dropout_key: a
         PRNG key for their dropout (None: no dropout, as in sampling and in passes without gradient).
+        routing: [B, T, len(config.moe_layers), num_experts_per_tok] int32, experts to route each token to instead
+        of the router's choice (routing replay: the experts the actor used), or None.
         """
         x = self.embed_tokens(tokens)
         t = tokens.shape[1]
@@ -418,8 +561,10 @@ class Transformer(nnx.Module):
             local_mask = mask & (jnp.arange(s)[None, :] > query_slot - self.config.sliding_window)[None]
         inv_freq = rope_inverse_frequencies(self.config)
         local_inv_freq = rope_inverse_frequencies(self.config, local=True)
-        new_cache = []
+        new_cache, used = [], []
+        moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
         for i, layer in enumerate(self.layers):
+            layer_routing = None if routing is None or i not in moe_index else routing[:, :, moe_index[i]]
             layer_cache = None if cache is None else cache[i]
             layer_adapters = None if adapters is None else adapters.layers[i]
             layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
@@ -431,15 +576,18 @@ class Transformer(nnx.Module):
                 # weights that enter the trace without being differentiated (the frozen base under LoRA).
                 block_def, block_state = nnx.split((layer, layer_adapters))
 
-                def block(state, key, *args, block_def=block_def):
+                def block(state, key, layer_routing, *args, block_def=block_def):
                     blk, adapters_i = nnx.merge(block_def, state)
-                    return blk(*args, adapters_i, key)
+                    return blk(*args, adapters_i, key, layer_routing)
 
-                x, layer_cache = jax.checkpoint(block)(block_state, layer_key, *args)
+                x, layer_cache, experts = jax.checkpoint(block)(block_state, layer_key, layer_routing, *args)
             else:
-                x, layer_cache = layer(*args, layer_adapters, layer_key)
+                x, layer_cache, experts = layer(*args, layer_adapters, layer_key, layer_routing)
             new_cache.append(layer_cache)
-        return self.final_norm(x), (None if cache is None else tuple(new_cache))
+            if experts is not None:
+                used.append(experts)
+        return (self.final_norm(x), (None if cache is None else tuple(new_cache)),
+                jnp.stack(used, axis=2) if used else None)
 
     def head_weight(self) -> jnp.ndarray:
         """[E, V] output projection (the transposed embedding when tied)."""

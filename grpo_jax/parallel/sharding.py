@@ -27,6 +27,11 @@ DEFAULT_RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    # Experts: each split like a dense MLP (embed over fsdp, its hidden units over tensor); the expert axis itself
+    # is not split (no expert parallelism yet) and the router is replicated.
+    "expert": None,
+    "moe_mlp": "tensor",
+    "router": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapters: A [in, rank] and B [rank, out] split like their weight's in / out
 }

@@ -264,12 +264,13 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     # reading its weights and half the KV cache.
     tokens = rows * length
     forwards = (optim.updates_per_step > 1) + config.loss.needs_reference
-    flops = param_count * tokens * ((6 + 2 * layout.remat) * optim.epochs + 2 * forwards)
+    active = param_count - model.inactive_expert_params  # a token's FLOPs: its experts only
+    flops = active * tokens * ((6 + 2 * layout.remat) * optim.epochs + 2 * forwards)
     micro_passes = optim.epochs * rows // micro * 3 + forwards * rows // micro
     weight_reads = micro_passes * param_count * compute_size / tensor
     learner_seconds = max(flops / learner_count / shape.peak_flops, weight_reads / shape.hbm_bandwidth)
     waves = -(-host_rows // sequences)
-    step_flops = 2 * param_count * sequences / actor_count
+    step_flops = 2 * active * sequences / actor_count
     step_bytes = param_count * compute_size / actor_tensor + kv / 2
     actor_seconds = waves * sampler.max_new_tokens * max(step_flops / shape.peak_flops,
                                                          step_bytes / shape.hbm_bandwidth)

@@ -63,7 +63,8 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -
     expected_prompt = min(optim.expected_prompt_len or prompt, prompt)
     expected_new = min(optim.expected_completion_len or new, new)
     head = model.hidden_size * model.vocab_size
-    body = param_count - head * (1 if model.tie_embeddings else 2)  # the embedding lookup does no matmul
+    # The embedding lookup does no matmul; a token goes through its experts only (active parameters).
+    body = param_count - head * (1 if model.tie_embeddings else 2) - model.inactive_expert_params
     attention = 4 * model.num_heads * model.resolved_head_dim  # per layer, per token, per key
 
     def forward(tokens: int, scored: int, keys: float) -> float:

@@ -481,7 +481,8 @@ class Actor:
                 rewards=rewards[i].astype(np.float32), weight_version=result.oldest_version,
                 regenerations=int(prompt.record.get("regenerations", 0)),
                 extras={"advantages": advantages[i].astype(np.float32), "valid": valid[i],
-                        "zero_variance": bool(zero_var[i]), "token_versions": result.versions})
+                        "zero_variance": bool(zero_var[i]), "token_versions": result.versions,
+                        **({} if result.routing is None else {"routing": result.routing})})
             self.collector.mark_finished(prompt.ordinal)
             self.buffer.put(group)
         self._stop_if_rewards_keep_failing()

@@ -34,6 +34,9 @@ sit finished while a few run on. This engine keeps a fixed number of sequences i
   copy into slots + first token; one per power-of-two prompt count and prompt bucket), the bank resizes
   and the empty state. Weights, temperature, top-p and token limits are runtime values. warm_up() compiles
   them all before a run.
+- Routing (a model with experts and model.routing_replay): every token's experts in each MoE layer are recorded,
+  the prompt's from its prefill and each sampled token's from the decode step that reads it, and returned with
+  the group (GroupResult.routing), so that the learner routes each token as the actor did.
 - Streams. The slots are split into `decode_streams` banks, each with its own state and clock, run from
   their own threads (XLA's CPU runtime overlaps separate executions; use 1 stream on an accelerator).
 """
@@ -112,6 +115,9 @@ class GroupResult:
     logprobs: list  # G arrays [n_i] float32: each token's log-prob under the weights that drew it
     versions: list  # G arrays [n_i] int32: the weight version that drew each token
     finish_reasons: list  # G of "stop" (eos) or "length"
+    # G arrays [prompt + n_i - 1, moe layers, experts per token] int32: the experts each input token of the sample
+    # (the prompt, then every sampled token but the last, which no step reads) was routed to; None unless recorded.
+    routing: list | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -133,7 +139,8 @@ class _Request:
     tag: Any
     placed: int = 0  # samples given a slot so far (in sample order)
     finished: int = 0
-    # Per sample, once finished: (tokens [n] int32, logprobs [n] float32, versions [n] int32, finish reason).
+    # Per sample, once finished: (tokens [n] int32, logprobs [n] float32, versions [n] int32, finish reason,
+    # routing [prompt + n - 1, moe layers, k] int32 or None).
     samples: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
@@ -143,19 +150,23 @@ class _Request:
 class _Bank:
     """A bank's device state and its host mirror: which sample each slot holds and what it has drawn so far."""
 
-    def __init__(self, state, slots: int, max_new: int):
+    def __init__(self, state, slots: int, max_new: int, routing_shape: tuple = (0, 0)):
         self.state = state
         self.occupants: list = [None] * slots  # (request, sample index) or None
         self.generated = np.zeros(slots, np.int32)  # tokens of the slot's sample recorded here
         self.tokens = np.zeros((slots, max_new), np.int32)
         self.logprobs = np.zeros((slots, max_new), np.float32)
         self.versions = np.zeros((slots, max_new), np.int32)  # the weight version that drew each token
+        # Routing recorded (Engine.record_routing): of each sampled token, and of the slot's prompt ([P, ...]).
+        self.routing = np.zeros((slots, max_new, *routing_shape), np.int32)
+        self.prompt_routing: list = [None] * slots
 
     def take(self, index: np.ndarray) -> None:
         """Keep the host rows `index` (in that order; -1: a new empty slot)."""
         keep = index >= 0
         self.occupants = [self.occupants[i] if i >= 0 else None for i in index]
-        for name in ("generated", "tokens", "logprobs", "versions"):
+        self.prompt_routing = [self.prompt_routing[i] if i >= 0 else None for i in index]
+        for name in ("generated", "tokens", "logprobs", "versions", "routing"):
             rows = getattr(self, name)[np.maximum(index, 0)]
             rows[~keep] = 0
             setattr(self, name, rows)
@@ -198,6 +209,8 @@ class Engine:
         self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
         mesh = weights_mesh(self.state) if mesh is None else mesh
         self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
+        self.record_routing = bool(model.config.num_experts) and model.config.routing_replay
+        self.routing_shape = (len(model.config.moe_layers), model.config.num_experts_per_tok)
         self.slot_shardings = None if mesh is None else self._slot_shardings(mesh, model.config.num_layers)
         # With a mesh, every program returns the slot state in that one layout (the KV ring split as cache_layout
         # says, everything else replicated), and its tokens replicated: a bank keeps one layout for the whole run.
@@ -205,8 +218,9 @@ class Engine:
         if mesh is not None:
             replicated = NamedSharding(mesh, PartitionSpec())
             banked = {"out_shardings": self.slot_shardings}
-            admitted = {"out_shardings": (self.slot_shardings, replicated, replicated)}
-            chunked = {"out_shardings": (self.slot_shardings, replicated, replicated, replicated)}
+            routed = (replicated,) if self.record_routing else ()
+            admitted = {"out_shardings": (self.slot_shardings, replicated, replicated, *routed)}
+            chunked = {"out_shardings": (self.slot_shardings, replicated, replicated, replicated, *routed)}
         self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
         self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=(3,),
                               **admitted)
@@ -216,8 +230,9 @@ class Engine:
         self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)
         empty = self._empty(self.bank_slots, self.ring)
-        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens)
-                       for b in range(self.num_banks)]
+        routing_shape = self.routing_shape if self.record_routing else (0, 0)
+        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens,
+                             routing_shape) for b in range(self.num_banks)]
         # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
         # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
         # sequences can outlive a chunk: otherwise every slot ends within the chunk it started in anyway, and
@@ -543,16 +558,16 @@ class Engine:
         for e, (slot_index, row, sample) in enumerate(admission.entries):
             request = admission.requests[row]
             slot[e], source[e], keys[e], limit[e] = slot_index, row, request.keys[sample], request.max_new
-        bank.state, first_token, first_logprob = self._admit(
+        bank.state, *first = self._admit(
             state, head, adapters, bank.state, tokens, mask, slot, source, keys, limit, *self.sampling.scalars,
             **self.sampling.static)
-        return first_token, first_logprob
+        return first  # first token, its log-prob (and the prompts' routing)
 
     def _run_chunk(self, bank: _Bank, state, head, adapters):
-        bank.state, tokens, logprobs, steps = self._chunk(
+        bank.state, tokens, logprobs, steps, *routing = self._chunk(
             state, head, adapters, bank.state, *self.sampling.scalars, steps=self.config.chunk_steps,
             **self.sampling.static)
-        return jax.device_get((tokens, logprobs, bank.state.generated, bank.state.done, steps))
+        return jax.device_get((tokens, logprobs, bank.state.generated, bank.state.done, steps, *routing))
 
     def _record(self, bank: _Bank, admission: _Admission | None, first, chunk, version: int) -> list[GroupResult]:
         """Host bookkeeping after a bank's admission and chunk: copy each slot's new tokens (with the weight
@@ -560,23 +575,27 @@ class Engine:
         groups now complete. Vectorised over slots: per chunk, only ended samples cost Python work."""
         stats = self.stats
         if admission is not None:
-            first_token, first_logprob = jax.device_get(first)
+            first_token, first_logprob, *prompt_routing = jax.device_get(first)
             slots = np.array([slot for slot, _, _ in admission.entries])
             count = len(slots)
             bank.tokens[slots, 0], bank.logprobs[slots, 0] = first_token[:count], first_logprob[:count]
             bank.versions[slots, 0], bank.generated[slots] = version, 1
+            for slot, row, _ in admission.entries if prompt_routing else ():  # prompts are left-padded
+                bank.prompt_routing[slot] = prompt_routing[0][row, -len(admission.requests[row].prompt):]
             prefilled = sum(len(r.prompt) for r in admission.requests)
             stats["prefill_tokens"] += prefilled
             stats["prefill_tokens_saved"] += sum(len(admission.requests[row].prompt)
                                                  for _, row, _ in admission.entries) - prefilled
             stats["generated_tokens"] += count
-        tokens, logprobs, generated, done, steps = chunk
+        tokens, logprobs, generated, done, steps, *routing = chunk
         occupied = np.array([o is not None for o in bank.occupants])
         new = np.where(occupied, generated - bank.generated, 0)
         rows, cols = np.nonzero(np.arange(tokens.shape[1])[None, :] < new[:, None])
         at = bank.generated[rows] + cols
         bank.tokens[rows, at], bank.logprobs[rows, at], bank.versions[rows, at] = (tokens[rows, cols],
                                                                                   logprobs[rows, cols], version)
+        if routing:  # the step that drew token `at` read token at - 1: its routing
+            bank.routing[rows, at - 1] = routing[0][rows, cols]
         bank.generated += new
         stats["slot_steps"] += len(bank.occupants) * int(steps)
         stats["live_slot_steps"] += int(new.sum())
@@ -586,14 +605,18 @@ class Engine:
             request, sample = bank.occupants[slot]
             n = bank.generated[slot]
             reason = "stop" if int(bank.tokens[slot, n - 1]) in self.eos_ids else "length"
+            routing = None
+            if self.record_routing:
+                routing = np.concatenate([bank.prompt_routing[slot], bank.routing[slot, :n - 1]])
             request.samples[sample] = (bank.tokens[slot, :n].copy(), bank.logprobs[slot, :n].copy(),
-                                       bank.versions[slot, :n].copy(), reason)
-            bank.occupants[slot], bank.generated[slot] = None, 0
+                                       bank.versions[slot, :n].copy(), reason, routing)
+            bank.occupants[slot], bank.generated[slot], bank.prompt_routing[slot] = None, 0, None
             request.finished += 1
             if request.finished == len(request.keys):
-                tokens_, logprobs_, versions_, reasons = (list(x) for x in zip(*request.samples))
+                tokens_, logprobs_, versions_, reasons, routing_ = (list(x) for x in zip(*request.samples))
                 finished.append(GroupResult(tag=request.tag, tokens=tokens_, logprobs=logprobs_, versions=versions_,
-                                            finish_reasons=reasons))
+                                            finish_reasons=reasons,
+                                            routing=routing_ if self.record_routing else None))
         return finished
 
     # -- device programs ------------------------------------------------------------------------------
@@ -642,9 +665,9 @@ class Engine:
         model = nnx.merge(self.graphdef, params)
         lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
         rows, plen = tokens.shape
-        hidden, prefill = model.hidden_states(tokens, positions_from_mask(mask), mask,
-                                              self._pinned(model.init_cache(rows, plen, self.cache_heads)), 0,
-                                              adapters=lora)
+        hidden, prefill, prompt_routing = model.hidden_states_and_routing(
+            tokens, positions_from_mask(mask), mask, self._pinned(model.init_cache(rows, plen, self.cache_heads)), 0,
+            adapters=lora)
         logits = jnp.einsum("ve,re->vr", head, hidden[:, -1], preferred_element_type=jnp.float32)
         token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
                                        greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
@@ -681,6 +704,8 @@ class Engine:
                           generated=put(state.generated, 1), limit=put(state.limit, limit),
                           done=put(state.done, jnp.isin(token, eos) | (limit <= 1)), keys=put(state.keys, keys),
                           clock=clock)
+        if self.record_routing:
+            return state, token, logprob, prompt_routing
         return state, token, logprob
 
     def _chunk_impl(self, params, head, adapters, state: SlotState, temperature, top_p, *, steps, greedy, top_k,
@@ -698,7 +723,7 @@ class Engine:
         local_inv_freq = rope_inverse_frequencies(config, local=True)
 
         def body(carry):
-            j, st, out_tokens, out_logprobs = carry
+            j, st, out_tokens, out_logprobs, out_routing = carry
             column = st.clock % ring
             key_mask = jax.lax.dynamic_update_slice(st.key_mask, jnp.ones((slots, 1), bool), (0, column))
             local_key_mask, local_column = st.local_key_mask, None
@@ -709,13 +734,20 @@ class Engine:
             # The model's layers with this ring's mask (model.hidden_states builds a causal mask from the write
             # index, which a ring does not follow): every key marked in key_mask precedes the current token.
             x = model.embed_tokens(st.last_token[:, None])
-            cache = []
+            cache, used = [], []
             for i, layer in enumerate(model.layers):
                 local = config.is_local(i)
-                x, layer_cache = layer(x, st.position[:, None], (local_key_mask if local else key_mask)[:, None, :],
-                                       local_inv_freq if local else inv_freq, st.cache[i],
-                                       local_column if local else column, None if lora is None else lora.layers[i])
+                x, layer_cache, experts = layer(x, st.position[:, None],
+                                                (local_key_mask if local else key_mask)[:, None, :],
+                                                local_inv_freq if local else inv_freq, st.cache[i],
+                                                local_column if local else column,
+                                                None if lora is None else lora.layers[i])
                 cache.append(layer_cache)
+                if experts is not None:
+                    used.append(experts[:, 0])
+            if self.record_routing:  # [S, moe layers, k]: the experts last_token went through
+                out_routing = jax.lax.dynamic_update_slice(out_routing, jnp.stack(used, axis=1)[:, None],
+                                                           (0, j, 0, 0))
             hidden = model.final_norm(x)[:, 0]
             logits = jnp.einsum("ve,se->vs", head, hidden, preferred_element_type=jnp.float32)
             token, logprob = sample_logits(logits, self._draw(st.keys, st.generated), temperature, top_p,
@@ -729,15 +761,18 @@ class Engine:
             st = st._replace(cache=self._pinned(tuple(cache)), key_mask=key_mask, local_key_mask=local_key_mask,
                              last_token=jnp.where(live, token, st.last_token), position=st.position + live,
                              generated=generated, done=done, clock=st.clock + 1)
-            return j + 1, st, out_tokens, out_logprobs
+            return j + 1, st, out_tokens, out_logprobs, out_routing
 
         def cond(carry):
-            j, st, _, _ = carry
+            j, st = carry[:2]
             return (j < steps) & ~jnp.all(st.done)
 
+        routing_shape = self.routing_shape if self.record_routing else (0, 0)
         out = (jnp.int32(0), state, jnp.full((slots, steps), self.pad_id, jnp.int32),
-               jnp.zeros((slots, steps), jnp.float32))
-        j, state, out_tokens, out_logprobs = jax.lax.while_loop(cond, body, out)
+               jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots, steps, *routing_shape), jnp.int32))
+        j, state, out_tokens, out_logprobs, out_routing = jax.lax.while_loop(cond, body, out)
+        if self.record_routing:
+            return state, out_tokens, out_logprobs, j, out_routing
         return state, out_tokens, out_logprobs, j
 
 

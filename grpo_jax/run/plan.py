@@ -137,10 +137,33 @@ class RunPlan:
         if problem:
             raise ConfigError(problem)
         plan = cls(config, run_model_config(config), processes, cut, learner_mesh, actor_mesh)
-        problem = plan.micro_batch_problem()
+        problem = plan.micro_batch_problem() or plan.experts_problem()
         if problem:
             raise ConfigError(problem)
         return plan
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether the learner routes each token through the experts the actor chose (model.routing_replay)."""
+        return bool(self.model.num_experts) and self.model.routing_replay
+
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        """A token's routing: (layers with experts, experts per token)."""
+        return len(self.model.moe_layers), self.model.num_experts_per_tok
+
+    def experts_problem(self) -> str | None:
+        """Why this run cannot train this model's experts as configured, or None."""
+        if self.routing_replay and self.config.sampler.engine != "continuous":
+            return (f"sampler.engine={self.config.sampler.engine!r}: routing replay (model.routing_replay, the default "
+                    "for a mixture of experts) records each token's experts in the continuous engine; set "
+                    "sampler.engine=continuous, or model.routing_replay=false to let the learner's router choose")
+        mlp = sorted({"gate", "up", "down"} & set(self.config.lora.targets))
+        if self.model.num_experts and self.config.lora.enabled and mlp:
+            return (f"lora.targets={list(self.config.lora.targets)}: {mlp} are not adapted in a model with experts "
+                    "(its experts train only with the full model, and PEFT reads these names as the experts'); "
+                    "use targets [q, k, v, o]")
+        return None
 
     def micro_batch_problem(self) -> str | None:
         """Why optim.micro_batch_tokens does not fit this run's rows, or None."""
@@ -356,16 +379,17 @@ class RunPlan:
         def sds(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.batch_sharding)
 
+        routing = sds((rows, length - 1, *self.routing_shape), jnp.int32) if self.routing_replay else None
         if self.packing:
             return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.int32),
                               loss_mask=sds((rows, length - 1), jnp.float32),
                               advantages=sds((rows, length // 2), jnp.float32),
                               behaviour_logprobs=sds((rows, length - 1), jnp.float32),
-                              scored_positions=sds((rows, self.completion_bucket), jnp.int32))
+                              scored_positions=sds((rows, self.completion_bucket), jnp.int32), routing=routing)
         return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.bool_),
                           loss_mask=sds((rows, length - 1), jnp.float32), advantages=sds((rows,), jnp.float32),
                           behaviour_logprobs=sds((rows, length - 1), jnp.float32),
-                          completion_len=self.completion_bucket)
+                          completion_len=self.completion_bucket, routing=routing)
 
     # -- the learner step -------------------------------------------------------------------------------
 

@@ -186,6 +186,15 @@ def group_rows(groups: list[Group], group_size: int):
     return prompts, completions, logprobs, advantages
 
 
+def group_routing(groups: list[Group], group_size: int, rows: int) -> list | None:
+    """Per row, in group_rows' order, the experts its input tokens went through when sampled (the group's
+    extras["routing"]); rows past the groups' (padding) route nowhere they are read. None without routing."""
+    if not groups or "routing" not in groups[0].extras:
+        return None
+    out = [np.asarray(r, np.int32) for group in groups for r in group.extras["routing"][:group_size]]
+    return out + [np.zeros((0, *out[0].shape[1:]), np.int32)] * (rows - len(out))
+
+
 def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
     """[rows] bool, in group_rows' order: whether each row's reward was scored (a group's extras["valid"]; all
     when it has none). Rows past the groups' (padding) are False. A failed row must train nothing, like
@@ -954,6 +963,10 @@ class Trainer:
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         valid = row_validity(groups, g, len(prompts))
+        routing = group_routing(groups, g, len(prompts)) if self.plan.routing_replay else None
+        if self.plan.routing_replay and routing is None:
+            raise TrainerError("routing replay: the groups of this step carry no routing (the actor records it "
+                               "only with sampler.engine=continuous); set model.routing_replay=false")
         prompt_lengths, completion_lengths = sequence_lengths(prompts, completions, valid)
         trained_tokens = int((prompt_lengths + completion_lengths)[completion_lengths > 0].sum())
         plan, length = self.plan, self.plan.row_length
@@ -964,11 +977,12 @@ class Trainer:
             # everywhere: every process learns every step).
             rows = plan.packed_rows(int(self.agreement.gather([layout.rows]).max()))
             batch = pack_sequences(prompts, completions, logprobs, advantages, self.tokenizer.pad_id, length,
-                                   self.completion_bucket, self.config.optim.mini_batches, layout=layout, rows=rows)
+                                   self.completion_bucket, self.config.optim.mini_batches, layout=layout, rows=rows,
+                                   routing=routing)
         else:
             rows = full
             batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
-                               self.prompt_bucket, self.completion_bucket, valid=valid)
+                               self.prompt_bucket, self.completion_bucket, valid=valid, routing=routing)
         return batch, {"learner/padding_fraction": padding_fraction(trained_tokens, full, length),
                        "learner/padding_fraction_packed": padding_fraction(trained_tokens, rows, length),
                        "learner/rows": rows}
