@@ -25,6 +25,7 @@ from grpo_jax.model.lora import (
     ADAPTER_WEIGHTS_FILE,
     TARGETS,
     LoraConfig,
+    base_identity,
     init_adapters,
     merge_adapters,
     save_peft_adapter,
@@ -140,6 +141,21 @@ def test_optimizer_state_holds_moments_for_the_adapters_only():
     assert sum(x.size for x in moments) == 2 * adapter_count  # Adam's mu and nu, nothing for the base
     full = Learner(create_model(MODEL, seed=0), OptimConfig(lr=1e-2), LossConfig())
     assert sum(x.size for x in jax.tree.leaves(full.opt_state) if x.ndim > 0) == 2 * base_count
+
+
+def test_a_from_scratch_base_keeps_its_identity_across_versions():
+    """The fingerprint checkpoints record for a base built from a seed is the one releases before the Gemma 3 and
+    Qwen3-MoE fields wrote (literals from that code), so a LoRA run resumes onto its base after an upgrade; fields a
+    family sets, and the seed, change it."""
+    assert base_identity("", ModelConfig(), 0) == "4403124087342b2d"
+    llama = ModelConfig(vocab_size=32, hidden_size=128, architecture="llama")
+    assert base_identity("", llama, 7) == "64d61674e042d29e"
+    run_settings = dataclasses.replace(llama, dtype="bfloat16", routing_replay=False, moe_dispatch="dense")
+    assert base_identity("", run_settings, 7) == "64d61674e042d29e"
+    others = {base_identity("", ModelConfig(), 1), base_identity("", ModelConfig(architecture="gemma3"), 0),
+              base_identity("", ModelConfig(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=8), 0)}
+    assert len(others) == 3 and "4403124087342b2d" not in others
 
 
 def test_learner_steps_move_the_adapters_and_leave_the_base_bit_identical():

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.model.safetensors_io import save_file
-from grpo_jax.model.transformer import ModelConfig, Transformer
+from grpo_jax.model.transformer import FAMILY_FIELDS, ModelConfig, Transformer
 
 # The projections an adapter can target, and their Hugging Face module names inside a decoder layer.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -266,6 +266,8 @@ def base_identity(model_path: str, model_config: ModelConfig, seed: int) -> str:
                     digest.update(f.read(SAMPLE_BYTES))
     else:
         from grpo_jax.model.hf import RUN_SETTINGS
-        architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in RUN_SETTINGS}
+        default = ModelConfig()
+        architecture = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in RUN_SETTINGS
+                        and not (k in FAMILY_FIELDS and v == getattr(default, k))}
         digest.update(json.dumps({"seed": seed, "model": architecture}, sort_keys=True).encode())
     return digest.hexdigest()[:16]

@@ -32,6 +32,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# ModelConfig fields that only some families use (Gemma 3's local layers, Qwen3-MoE's experts): at their defaults
+# they say nothing about a model, so what identifies an architecture leaves them out then (lora.base_identity: a
+# checkpoint written before they existed still names the same base).
+FAMILY_FIELDS = ("layer_types", "sliding_window", "rope_local_theta", "query_pre_attn_scalar", "num_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                 "mlp_only_layers")
 ROPE_SCALING_TYPES = ("llama3", "linear")
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
 MOE_DISPATCH = ("ragged", "dense")  # ModelConfig.moe_dispatch
