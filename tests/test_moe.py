@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.learner import batch_logprobs, pack_batch, pack_sequences
 from grpo_jax.config_io import ConfigError
@@ -23,6 +25,7 @@ from grpo_jax.model.transformer import (
     count_params,
     create_model,
 )
+from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module
 from grpo_jax.rollout.engine import Engine
 from grpo_jax.rollout.sampler import SamplerConfig
 from grpo_jax.run.trainer import Trainer
@@ -78,6 +81,42 @@ def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype):
         scale = 1e-5 if dtype == jnp.float32 else 3e-2
         np.testing.assert_allclose(a, b, rtol=0, atol=scale * np.abs(b).max())
     assert np.all(np.asarray(grads[0][2][5]) == 0)  # the unused expert gets no gradient
+
+
+def test_expert_parallelism_computes_what_every_device_holding_every_expert_computes():
+    """Experts split over fsdp 4 (tensor 2 beside it): each device runs its own 2 of 8 experts on the gathered
+    tokens and the outputs are reduce-scattered back; log-probs and gradients equal the FSDP path's, and the
+    learner step's HLO has the shard_map's collectives."""
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), jax.devices()[:8])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, VOCAB, rng.integers(2, 7)) for _ in range(8)]
+    completions = [rng.integers(1, VOCAB, rng.integers(1, 7)) for _ in range(8)]
+    behaviour = [np.full(len(c), -2.0, np.float32) for c in completions]
+    batch = pack_batch(prompts, completions, behaviour, rng.normal(size=8).astype(np.float32), 0, 8, 8)
+    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))), batch)
+    config = dataclasses.replace(MOE, mlp_only_layers=())
+    results = []
+    for expert_parallel in (False, True):
+        model = shard_module(create_model(dataclasses.replace(config, expert_parallel=expert_parallel), seed=1), mesh)
+        assert model.layers[0].mlp.gate.get_value().sharding.spec == PartitionSpec("fsdp", None, "tensor")
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def logprobs_and_grads(state, batch, graphdef=graphdef):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                def total(state):
+                    logprobs = batch_logprobs(nnx.merge(graphdef, state), batch)[0]
+                    return jnp.sum(logprobs * batch.scored(batch.loss_mask)), logprobs
+                return jax.grad(total, has_aux=True)(state)
+
+        grads, logprobs = logprobs_and_grads(state, batch)
+        text = logprobs_and_grads.lower(state, batch).as_text()
+        results.append((np.asarray(logprobs), jax.tree.map(np.asarray, jax.device_get(grads)), text))
+    (logprobs, grads, fsdp_text), (ep_logprobs, ep_grads, ep_text) = results
+    np.testing.assert_allclose(ep_logprobs, logprobs, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(ep_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1e-3))
+    assert "reduce_scatter" in ep_text and "reduce_scatter" not in fsdp_text
 
 
 def sample(model, prompts, seed, eos=()):
@@ -194,17 +233,19 @@ def test_the_replay_buffer_checkpoints_a_groups_routing():
 
 
 MOE_RUN = ("model.architecture=qwen3_moe", "model.head_dim=16", "model.qkv_bias=false", "model.num_layers=2",
-           "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
+           "model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
            "model.mlp_only_layers=[1]")
 
 
 def test_a_tiny_qwen3_moe_trains_with_routing_replay_and_exports_as_qwen3_moe(tmp_path):
     """Routing travels with each group from the engine to the learner: at staleness 0 the learner's log-probs of
-    the first update equal the sampler's (importance weights 1), which misplaced routing would break."""
+    the first update equal the sampler's (importance weights 1), which misplaced routing would break. The learner
+    runs its experts in parallel over its fsdp axis, the engine as one device's (no mesh context)."""
     from grpo_jax.model.hf import load_hf_model
 
     config = tiny_config(tmp_path, *MOE_RUN, "grpo.max_staleness=0", "trainer.max_steps=2", "optim.lr=1e-2",
-                         "optim.warmup_steps=0", "loss.off_policy=tis", "optim.packing=true")
+                         "optim.warmup_steps=0", "loss.off_policy=tis", "optim.packing=true",
+                         "model.expert_parallel=true")
     history = Trainer(config).train()
     assert [m["step"] for m in history] == [1, 2]
     for metrics in history:
@@ -212,10 +253,10 @@ def test_a_tiny_qwen3_moe_trains_with_routing_replay_and_exports_as_qwen3_moe(tm
         assert abs(metrics["tis/weight_max"] - 1) < 1e-4 and metrics["tis/mismatch_kl"] < 1e-8, metrics
     assert_every_ordinal_accounted_once(tmp_path)
     config_json = json.loads((tmp_path / "final_model" / "config.json").read_text())
-    assert config_json["architectures"] == ["Qwen3MoeForCausalLM"] and config_json["num_experts"] == 4
+    assert config_json["architectures"] == ["Qwen3MoeForCausalLM"] and config_json["num_experts"] == 8
     final, _ = load_hf_model(tmp_path / "final_model")
     assert final.config.moe_layers == (0,)
-    assert final.layers[0].mlp.gate.get_value().shape == (4, config.model.hidden_size, 32)
+    assert final.layers[0].mlp.gate.get_value().shape == (8, config.model.hidden_size, 32)
 
 
 def test_the_published_qwen3_30b_a3b_has_3_3b_active_parameters():

@@ -503,7 +503,7 @@ class NonFiniteError(UserError, RuntimeError):
     exit_code = 3
 
 
-def jit_train_step(step, params, opt_state):
+def jit_train_step(step, params, opt_state, expert_parallel: bool = False):
     """The learner step (make_train_step) jitted as every run runs it, for the trainer (real `params` and
     `opt_state`) and grpo-jax compile (abstract ones) alike: the old parameters and moments donated (XLA updates
     them in place), and returned with the shardings they came in, pinned: left to XLA the first step can return
@@ -514,6 +514,13 @@ def jit_train_step(step, params, opt_state):
         return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
     out = (jax.tree.map(current, params), jax.tree.map(current, opt_state), None, None)
+    mesh = next((s.mesh for s in jax.tree.leaves(out[0]) if s is not None), None)
+    if expert_parallel and mesh is not None:  # traced with the parameters' mesh in context: the experts' shard_map
+        inner = step
+
+        def step(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return inner(*args)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
 
 
@@ -528,6 +535,7 @@ class Learner:
                  reference_model: Transformer | None = None, temperature: float = 1.0, adapters=None,
                  dropout_seed: int = 0, top_k: int = 0, top_p: float = 1.0):
         self.base_graphdef = self.frozen = None
+        self.expert_parallel = model.config.expert_parallel
         if adapters is None:
             self.graphdef, self.params = nnx.split(model)
         else:
@@ -560,7 +568,7 @@ class Learner:
     def _step(self):
         """The jitted step (jit_train_step), built on first use, when the state has its final placement."""
         if self._jitted_step is None:
-            self._jitted_step = jit_train_step(self._step_fn, self.params, self.opt_state)
+            self._jitted_step = jit_train_step(self._step_fn, self.params, self.opt_state, self.expert_parallel)
         return self._jitted_step
 
     def check_batch(self, batch: TrainBatch) -> None:

@@ -92,6 +92,10 @@ class ModelConfig:
     # router picks again, and a near tie decided otherwise by the two numerically different passes trains a token
     # through experts that did not sample it.
     routing_replay: bool = True
+    # Expert parallelism in the learner: the experts split over its fsdp axis, each device computing its own experts
+    # on the tokens routed to them (tokens gathered, outputs reduce-scattered: see _expert_parallel); off: every
+    # device gathers every expert's weights (FSDP) and computes its own tokens.
+    expert_parallel: bool = False
 
     def __hash__(self):
         # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
@@ -398,6 +402,7 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.dispatch = config.moe_dispatch
+        self.expert_parallel = config.expert_parallel
 
     def __call__(self, x, routing=None):
         """x: [B, T, E]; routing: [B, T, k] int32 expert ids to use instead of the router's own top-k (routing
@@ -416,8 +421,11 @@ class MoE(nnx.Module):
             weights = weights / weights.sum(-1, keepdims=True)
         weights = weights.astype(dtype)
         gate, up, down = (w[...].astype(dtype) for w in (self.gate, self.up, self.down))
+        axis = expert_parallel_axis(gate.shape[0]) if self.expert_parallel else None
         if self.dispatch == "dense":
             out = _dense_experts(rows, experts, weights, gate, up, down)
+        elif axis is not None and rows.shape[0] % jax.sharding.get_abstract_mesh().shape[axis] == 0:
+            out = _expert_parallel(rows, experts, weights, gate, up, down, axis)
         else:
             out = _ragged_experts(rows, experts, weights, gate, up, down)
         return out.reshape(x.shape), experts.reshape(*x.shape[:2], self.top_k)
@@ -435,17 +443,53 @@ def _dense_experts(rows, experts, weights, gate, up, down):
 def _ragged_experts(rows, experts, weights, gate, up, down):
     """Capacity-free dispatch: the N x k (row, expert) pairs sorted by expert, each expert's run of rows one group
     of jax.lax.ragged_dot (grouped matmul), then each output scaled by its weight and added back to its row.
-    No token is dropped and no padding computed: FLOPs and activations of the chosen experts only."""
+    No token is dropped and no padding computed: FLOPs and activations of the chosen experts only. An expert id
+    past the last of `gate` (expert parallelism: another device's expert) sorts after every group, where ragged_dot
+    gives zeros."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     source = order // k  # the row of each sorted pair
-    group_sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=gate.shape[0] + 1)[:-1].astype(jnp.int32)
     sorted_rows = rows[source]
     hidden = (jax.nn.silu(jax.lax.ragged_dot(sorted_rows, gate, group_sizes))
               * jax.lax.ragged_dot(sorted_rows, up, group_sizes))
     out = jax.lax.ragged_dot(hidden, down, group_sizes) * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(rows).at[source].add(out)
+
+
+EXPERT_AXIS = "fsdp"  # the mesh axis that splits the experts (parallel.sharding's rule for `expert`)
+
+
+def expert_parallel_axis(num_experts: int) -> str | None:
+    """The mesh axis expert parallelism splits the experts over, from the mesh of the program being traced
+    (jax.sharding.use_abstract_mesh: learner.jit_train_step sets it), or None where there is none to split over."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return None
+    size = mesh.shape[EXPERT_AXIS]
+    return EXPERT_AXIS if size > 1 and num_experts % size == 0 else None
+
+
+def _expert_parallel(rows, experts, weights, gate, up, down, axis: str):
+    """Expert parallelism over mesh axis `axis`: each device holds num_experts / D experts and the rows of 1/D of
+    the tokens. It gathers every token of its group (rows, experts, weights), runs its own experts on the pairs
+    routed to them (ragged, capacity-free; the others' pairs fall outside its groups), and the partial outputs
+    are summed and scattered back to the tokens' devices. Per device: the FLOPs of 1/D of the pairs, its own
+    experts' weights only (never gathered), an all-gather of the tokens and a reduce-scatter of the outputs."""
+    def local(rows, experts, weights, gate, up, down):
+        everyone = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
+        rows_all, experts_all, weights_all = everyone(rows), everyone(experts), everyone(weights)
+        held = gate.shape[0]
+        local_ids = experts_all - jax.lax.axis_index(axis) * held
+        mine = (local_ids >= 0) & (local_ids < held)
+        out = _ragged_experts(rows_all, jnp.where(mine, local_ids, held), jnp.where(mine, weights_all, 0), gate, up,
+                              down)
+        return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+
+    split = jax.sharding.PartitionSpec(axis)
+    return jax.shard_map(local, in_specs=(split,) * 6, out_specs=split, axis_names={axis}, check_vma=False)(
+        rows, experts, weights, gate, up, down)
 
 
 class Block(nnx.Module):

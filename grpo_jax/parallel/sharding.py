@@ -27,9 +27,9 @@ DEFAULT_RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    # Experts: each split like a dense MLP (embed over fsdp, its hidden units over tensor); the expert axis itself
-    # is not split (no expert parallelism yet) and the router is replicated.
-    "expert": None,
+    # Experts: split over fsdp (FSDP: gathered where used; with model.expert_parallel each device computes its own),
+    # each expert's hidden units over tensor; the router replicated over its experts.
+    "expert": "fsdp",
     "moe_mlp": "tensor",
     "router": None,
     "norm": None,
