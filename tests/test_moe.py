@@ -188,18 +188,24 @@ def tied_model():
     return model, swapped, swap
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_routing_replay_routes_the_learner_as_the_actor_even_where_its_router_would_not(layout):
-    """The actor samples with every tie broken towards the odd expert of its pair; the learner, with the same
-    function but its router breaking ties towards the even one, scores the samples exactly as the actor did only
-    when it replays the actor's routing (at staleness 0 the log-probs are then the behaviour log-probs, to float32
-    rounding); left to its own router, it scores them through other experts."""
+@pytest.fixture(scope="module")
+def tied_samples():
+    """The learner's model, and samples of the tie-swapped actor with their routing in the learner's expert ids."""
     model, actor, swap = tied_model()
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(1, VOCAB, n)) for n in (16, 3, 9, 5, 12)]
     # A fifth of the vocabulary ends a sample: long and short ones, several to a packed row.
     prompts_, completions, behaviour, routing = rows_of(prompts, sample(actor, prompts, 2, eos=tuple(range(1, 60))))
-    routing = [swap[r] for r in routing]  # the actor's expert ids as the learner's model numbers them
+    return model, prompts_, completions, behaviour, [swap[r] for r in routing]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_routing_replay_routes_the_learner_as_the_actor_even_where_its_router_would_not(tied_samples, layout):
+    """The actor samples with every tie broken towards the odd expert of its pair; the learner, with the same
+    function but its router breaking ties towards the even one, scores the samples exactly as the actor did only
+    when it replays the actor's routing (at staleness 0 the log-probs are then the behaviour log-probs, to float32
+    rounding); left to its own router, it scores them through other experts."""
+    model, prompts_, completions, behaviour, routing = tied_samples
     for prompt, completion, used in zip(prompts_, completions, routing):
         own = np.asarray(_own_routing(model, np.concatenate([prompt, completion])[:-1]))
         assert np.all(own % 2 == 0) and np.all(used % 2 == 1)  # every token routed elsewhere by its own router
