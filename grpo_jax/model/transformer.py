@@ -64,8 +64,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # master weights
     remat: bool = False  # recompute each layer in the backward pass
-    # The Hugging Face class written on export: "qwen2", "llama", "qwen3" (which adds qk_norm) or "gemma3" (see the
-    # module docstring).
+    # The Hugging Face class written on export: "qwen2", "llama", "qwen3" (which adds qk_norm), "qwen3_moe" (experts
+    # besides) or "gemma3" (see the module docstring).
     architecture: str = "qwen2"
     # Per layer, "full_attention" (every earlier token) or "sliding_attention" (a local layer: the last
     # sliding_window tokens, itself included); empty: every layer full.
