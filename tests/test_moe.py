@@ -86,14 +86,15 @@ def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype):
 def test_expert_parallelism_computes_what_every_device_holding_every_expert_computes():
     """Experts split over fsdp 4 (tensor 2 beside it): each device runs its own 2 of 8 experts on the gathered
     tokens and the outputs are reduce-scattered back; log-probs and gradients equal the FSDP path's, and the
-    learner step's HLO has the shard_map's collectives."""
+    learner step's HLO has the shard_map's collectives. 6 rows of 15 input tokens: 90 tokens, padded to split over
+    the 4 devices (as a micro-batch of fewer rows than devices is)."""
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), jax.devices()[:8])
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, VOCAB, rng.integers(2, 7)) for _ in range(8)]
-    completions = [rng.integers(1, VOCAB, rng.integers(1, 7)) for _ in range(8)]
+    prompts = [rng.integers(1, VOCAB, rng.integers(2, 9)) for _ in range(6)]
+    completions = [rng.integers(1, VOCAB, rng.integers(1, 9)) for _ in range(6)]
     behaviour = [np.full(len(c), -2.0, np.float32) for c in completions]
-    batch = pack_batch(prompts, completions, behaviour, rng.normal(size=8).astype(np.float32), 0, 8, 8)
-    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))), batch)
+    batch = pack_batch(prompts, completions, behaviour, rng.normal(size=6).astype(np.float32), 0, 8, 8)
+    batch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), batch)
     config = dataclasses.replace(MOE, mlp_only_layers=())
     results = []
     for expert_parallel in (False, True):

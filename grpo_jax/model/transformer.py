@@ -424,8 +424,10 @@ class MoE(nnx.Module):
         axis = expert_parallel_axis(gate.shape[0]) if self.expert_parallel else None
         if self.dispatch == "dense":
             out = _dense_experts(rows, experts, weights, gate, up, down)
-        elif axis is not None and rows.shape[0] % jax.sharding.get_abstract_mesh().shape[axis] == 0:
-            out = _expert_parallel(rows, experts, weights, gate, up, down, axis)
+        elif axis is not None:  # tokens padded to split evenly over the axis; a padding token has weight 0
+            pad = -rows.shape[0] % jax.sharding.get_abstract_mesh().shape[axis]
+            widen = functools.partial(jnp.pad, pad_width=((0, pad), (0, 0)))
+            out = _expert_parallel(widen(rows), widen(experts), widen(weights), gate, up, down, axis)[:rows.shape[0]]
         else:
             out = _ragged_experts(rows, experts, weights, gate, up, down)
         return out.reshape(x.shape), experts.reshape(*x.shape[:2], self.top_k)
