@@ -93,6 +93,18 @@ def test_config_keys_are_checked():
     assert any(p.startswith("slots=-1") for p in bad) and any(p.startswith("chunk_steps=0") for p in bad)
 
 
+def assert_draws_as_static(results, want):
+    """Each group's samples (GroupResults, in submission order) are the static sampler's rows `want`: the same
+    tokens, log-probs and finish reasons."""
+    for i, result in enumerate(results):
+        for j in range(G):
+            row = i * G + j
+            n = want.lengths[row]
+            np.testing.assert_array_equal(result.tokens[j], want.tokens[row, :n])
+            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], atol=1e-5)
+            assert result.finish_reasons[j] == want.finish_reasons[row]
+
+
 def test_engine_draws_what_the_static_sampler_draws(engine, static, model):
     """72 samples through 32 slots: refilled between chunks, groups split over boundaries and banks, banks halved
     while draining; each sample's tokens still come from its own key alone."""
@@ -101,16 +113,8 @@ def test_engine_draws_what_the_static_sampler_draws(engine, static, model):
     keys = _group_keys(len(prompts), 0)
     results = _run(engine, prompts, keys)
     want = static.generate([p for p in prompts for _ in range(G)], keys.reshape(-1))
-    reasons = []
-    for i, result in enumerate(results):
-        for j in range(G):
-            row = i * G + j
-            n = want.lengths[row]
-            np.testing.assert_array_equal(result.tokens[j], want.tokens[row, :n])
-            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], atol=1e-5)
-            reasons.append(result.finish_reasons[j])
-            assert result.finish_reasons[j] == want.finish_reasons[row]
-    assert {"stop", "length"} <= set(reasons)
+    assert_draws_as_static(results, want)
+    assert {"stop", "length"} <= set(want.finish_reasons)
     for i in (0, 5):  # and the behaviour log-probs are the model's own
         for j in range(G):
             np.testing.assert_allclose(results[i].logprobs[j],
@@ -404,11 +408,8 @@ def test_gemma3_local_layers_keep_only_their_window_and_draw_what_the_static_sam
         engine.close()
         static.close()
     assert max(want.lengths) > window
+    assert_draws_as_static(results, want)
     for i, result in enumerate(results):
         for j in range(G):
-            row = i * G + j
-            n = want.lengths[row]
-            np.testing.assert_array_equal(result.tokens[j], want.tokens[row, :n])
-            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], atol=1e-5)
             np.testing.assert_allclose(result.logprobs[j], _full_forward_logprobs(model, prompts[i], result.tokens[j]),
                                        atol=1e-4)

@@ -141,6 +141,16 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if self.is_moe(i))
 
     @property
+    def replays_routing(self) -> bool:
+        """Whether each token's experts are recorded by the actor and replayed by the learner (routing_replay)."""
+        return bool(self.num_experts) and self.routing_replay
+
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        """A token's recorded routing: (layers with experts, experts per token); (0, 0) when none is recorded."""
+        return (len(self.moe_layers), self.num_experts_per_tok) if self.replays_routing else (0, 0)
+
+    @property
     def has_local_layers(self) -> bool:
         return "sliding_attention" in self.layer_types
 

@@ -209,8 +209,8 @@ class Engine:
         self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
         mesh = weights_mesh(self.state) if mesh is None else mesh
         self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
-        self.record_routing = bool(model.config.num_experts) and model.config.routing_replay
-        self.routing_shape = (len(model.config.moe_layers), model.config.num_experts_per_tok)
+        self.record_routing = model.config.replays_routing
+        self.routing_shape = model.config.routing_shape
         self.slot_shardings = None if mesh is None else self._slot_shardings(mesh, model.config.num_layers)
         # With a mesh, every program returns the slot state in that one layout (the KV ring split as cache_layout
         # says, everything else replicated), and its tokens replicated: a bank keeps one layout for the whole run.
@@ -230,9 +230,8 @@ class Engine:
         self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)
         empty = self._empty(self.bank_slots, self.ring)
-        routing_shape = self.routing_shape if self.record_routing else (0, 0)
         self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens,
-                             routing_shape) for b in range(self.num_banks)]
+                             self.routing_shape) for b in range(self.num_banks)]
         # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
         # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
         # sequences can outlive a chunk: otherwise every slot ends within the chunk it started in anyway, and
@@ -767,9 +766,8 @@ class Engine:
             j, st = carry[:2]
             return (j < steps) & ~jnp.all(st.done)
 
-        routing_shape = self.routing_shape if self.record_routing else (0, 0)
         out = (jnp.int32(0), state, jnp.full((slots, steps), self.pad_id, jnp.int32),
-               jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots, steps, *routing_shape), jnp.int32))
+               jnp.zeros((slots, steps), jnp.float32), jnp.zeros((slots, steps, *self.routing_shape), jnp.int32))
         j, state, out_tokens, out_logprobs, out_routing = jax.lax.while_loop(cond, body, out)
         if self.record_routing:
             return state, out_tokens, out_logprobs, j, out_routing

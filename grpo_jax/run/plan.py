@@ -142,19 +142,9 @@ class RunPlan:
             raise ConfigError(problem)
         return plan
 
-    @property
-    def routing_replay(self) -> bool:
-        """Whether the learner routes each token through the experts the actor chose (model.routing_replay)."""
-        return bool(self.model.num_experts) and self.model.routing_replay
-
-    @property
-    def routing_shape(self) -> tuple[int, int]:
-        """A token's routing: (layers with experts, experts per token)."""
-        return len(self.model.moe_layers), self.model.num_experts_per_tok
-
     def experts_problem(self) -> str | None:
         """Why this run cannot train this model's experts as configured, or None."""
-        if self.routing_replay and self.config.sampler.engine != "continuous":
+        if self.model.replays_routing and self.config.sampler.engine != "continuous":
             return (f"sampler.engine={self.config.sampler.engine!r}: routing replay (model.routing_replay, the default "
                     "for a mixture of experts) records each token's experts in the continuous engine; set "
                     "sampler.engine=continuous, or model.routing_replay=false to let the learner's router choose")
@@ -379,7 +369,8 @@ class RunPlan:
         def sds(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.batch_sharding)
 
-        routing = sds((rows, length - 1, *self.routing_shape), jnp.int32) if self.routing_replay else None
+        model = self.model
+        routing = sds((rows, length - 1, *model.routing_shape), jnp.int32) if model.replays_routing else None
         if self.packing:
             return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.int32),
                               loss_mask=sds((rows, length - 1), jnp.float32),

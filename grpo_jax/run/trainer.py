@@ -963,8 +963,9 @@ class Trainer:
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         valid = row_validity(groups, g, len(prompts))
-        routing = group_routing(groups, g, len(prompts)) if self.plan.routing_replay else None
-        if self.plan.routing_replay and routing is None:
+        replays = self.plan.model.replays_routing
+        routing = group_routing(groups, g, len(prompts)) if replays else None
+        if replays and routing is None:
             raise TrainerError("routing replay: the groups of this step carry no routing (the actor records it "
                                "only with sampler.engine=continuous); set model.routing_replay=false")
         prompt_lengths, completion_lengths = sequence_lengths(prompts, completions, valid)
