@@ -275,6 +275,7 @@ def batch_logprobs(model: Transformer, batch: TrainBatch, **options):
                           scored_positions=batch.scored_positions, routing=batch.routing, **options)
 
 
+@jax.named_scope("logprobs")
 def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: int, temperature: float = 1.0,
                      top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False):
     """tempered_logprobs of `targets` [B, T] from hidden states [B, T, E] (logits_of: [..., E] -> float32
@@ -432,9 +433,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             clean, entropy = logprobs_of(graphdef, params, micro, frozen, with_entropy=True)
             logprobs = jax.lax.stop_gradient(clean) + logprobs - jax.lax.stop_gradient(logprobs)
         old = jax.lax.stop_gradient(logprobs) if rows.old_logprobs is None else rows.old_logprobs
-        loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
-                                    micro.advantages, micro.scored(micro.loss_mask), loss_config,
-                                    entropies=entropy, sequence_ids=micro.sequence_ids())
+        with jax.named_scope("loss"):
+            loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
+                                        micro.advantages, micro.scored(micro.loss_mask), loss_config,
+                                        entropies=entropy, sequence_ids=micro.sequence_ids())
         return loss * weight_over_total, metrics
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -449,15 +451,17 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
             micro, weight, index = inputs
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
             (loss, metrics), grads = grad_fn(params, micro, weight / total, frozen, key)
-            return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
+            with jax.named_scope("accumulate"):
+                return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         grads, (losses, stacked) = jax.lax.scan(accumulate, zeros, (micros, weights, jnp.arange(parts)))
         loss = jnp.sum(losses)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, new_updates)
+        with jax.named_scope("optimizer"):
+            new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, new_updates)
         # A non-finite update changes nothing: parameters and optimizer moments stay as they were. The cast
         # keeps each leaf's dtype (bfloat16 master weights get float32 gradients) through the update loop.
         def keep(new, old):

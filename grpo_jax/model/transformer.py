@@ -288,6 +288,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.zero_centered = zero_centered
 
+    @jax.named_scope("norm")
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -322,6 +323,7 @@ class Attention(nnx.Module):
         self.num_groups = h // kv
         self.scale = (config.query_pre_attn_scalar or d) ** -0.5
 
+    @jax.named_scope("attention")
     def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
         """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,C,S,D] or None (then S == T), where C is
         num_kv_heads or a multiple of it that divides num_heads (see Transformer.init_cache); query head h reads
@@ -379,6 +381,7 @@ class MLP(nnx.Module):
         # Gemma: GELU (tanh approximation, transformers' gelu_pytorch_tanh); the others: SiLU.
         self.activation = functools.partial(jax.nn.gelu, approximate=True) if config.gemma else jax.nn.silu
 
+    @jax.named_scope("mlp")
     def __call__(self, x, adapters=None, dropout_key=None):
         dtype = x.dtype
         # Rows flattened to [B*T, E], so each weight gradient contracts one dimension: with [B, T, E]
@@ -414,6 +417,7 @@ class MoE(nnx.Module):
         self.dispatch = config.moe_dispatch
         self.expert_parallel = config.expert_parallel
 
+    @jax.named_scope("experts")
     def __call__(self, x, routing=None):
         """x: [B, T, E]; routing: [B, T, k] int32 expert ids to use instead of the router's own top-k (routing
         replay: the weights are still the router's probabilities at those experts, so the router trains), or None.
@@ -558,6 +562,7 @@ class Transformer(nnx.Module):
     def compute_dtype(self):
         return DTYPES[self.config.dtype]
 
+    @jax.named_scope("embed")
     def embed_tokens(self, tokens) -> jnp.ndarray:
         """[B, T] ids -> [B, T, E] in the compute dtype (Gemma scales them by sqrt(hidden_size), in that dtype)."""
         x = self.embed[tokens].astype(self.compute_dtype)
@@ -657,6 +662,7 @@ class Transformer(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    @jax.named_scope("lm_head")
     def logits(self, hidden):
         rows = hidden.reshape(-1, hidden.shape[-1])  # [B*T, E]: see MLP.__call__
         out = jnp.einsum("ne,ev->nv", rows, self.head_weight().astype(hidden.dtype),

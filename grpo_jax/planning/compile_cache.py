@@ -30,7 +30,7 @@ import tempfile
 import jax
 
 CACHE_DIR_ENV = "GRPO_JAX_COMPILE_CACHE_DIR"
-FORMAT = 1  # bumped when an entry's fields change: older entries are then never looked up
+FORMAT = 2  # bumped when an entry's fields change: older entries are then never looked up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Entry:
     bytes: float | None
     refusal: str  # the compiler's own words when it refused, else ""
     seconds: float  # how long that compile took
+    breakdown: dict | None = None  # hlo_cost.Breakdown.as_dict(): FLOPs and bytes with loops counted, by part
 
 
 def cache_dir() -> pathlib.Path | None:

@@ -23,13 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_jax.algorithm.learner import batch_logprobs
 from grpo_jax.model.transformer import DTYPES
-from grpo_jax.planning import compile_cache
+from grpo_jax.planning import compile_cache, hlo_cost
 from grpo_jax.planning.topology import Topology
 from grpo_jax.planning.units import size_text
 from grpo_jax.rollout.weight_sync import narrowed
@@ -81,6 +78,8 @@ class Program:
     cost_note: str = ""  # why cost is None although the program compiled
     actor: bool = False  # the actor's (sampling) time per step is the sum of cost x calls over these
     notes: tuple[str, ...] = ()  # printed under the table
+    breakdown: hlo_cost.Breakdown | None = None  # the learner step's FLOPs and bytes by part (the report's
+    # "where the bytes go")
 
     @property
     def total(self) -> int | None:
@@ -100,9 +99,10 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     memory: Memory | None
-    cost: Cost | None
+    cost: Cost | None  # XLA's cost analysis: each loop body counted once
     refusal: str
     seconds: float
+    breakdown: hlo_cost.Breakdown | None = None  # every loop counted as often as it runs, split by part
 
 
 # Set in the compiling child process (see compile_run): compile_one appends a line here as each program starts
@@ -147,7 +147,8 @@ def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = N
             _record_progress("end", label, seconds)
     if entry.refusal:
         return Compiled(None, None, entry.refusal, seconds)
-    return Compiled(Memory(**entry.memory), roofline(entry.flops, entry.bytes, topology), "", seconds)
+    breakdown = hlo_cost.Breakdown.from_dict(entry.breakdown) if entry.breakdown else None
+    return Compiled(Memory(**entry.memory), roofline(entry.flops, entry.bytes, topology), "", seconds, breakdown)
 
 
 def _compile(lowered: jax.stages.Lowered, start: float) -> compile_cache.Entry:
@@ -165,7 +166,8 @@ def _compile(lowered: jax.stages.Lowered, start: float) -> compile_cache.Entry:
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     flops, nbytes = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-    return compile_cache.Entry(dataclasses.asdict(memory), flops, nbytes, "", seconds)
+    breakdown = hlo_cost.program_cost(compiled.as_text()).as_dict()
+    return compile_cache.Entry(dataclasses.asdict(memory), flops, nbytes, "", seconds, breakdown)
 
 
 def roofline(flops: float, nbytes: float, topology: Topology) -> Cost:
@@ -197,12 +199,10 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
 
     Memory: at the most rows a step can have (RunPlan.learner_rows; packed: every completion at
     max_new_tokens). Cost: at the expected rows (RunPlan.expected_learner_rows: the same without packing or
-    without optim.expected_*_len; else the step compiled again at those rows). XLA counts each loop body once,
-    so the step's count is one forward micro-batch per forward pass (proximal, reference) + one gradient
-    micro-batch + one optimizer update. The forward micro-batch and the update are compiled on their own; the
-    gradient micro-batch is the rest of the step's count."""
-    config, learner = plan.config, plan.learner_step
-    mesh, optim = plan.learner_mesh, config.optim
+    without optim.expected_*_len; else the step compiled again at those rows), read from the compiled program
+    with every loop counted as often as it runs (hlo_cost.py; XLA's own cost analysis counts each loop body
+    once), and split by part for the report's "where the bytes go"."""
+    learner, mesh = plan.learner_step, plan.learner_mesh
     params, opt_state, reference, frozen = learner.params, learner.opt_state, learner.reference, learner.frozen
     whole = compile_one(learner.jitted, learner.args, topology, label="learner step")
     rows, expected_rows = plan.learner_rows, plan.expected_learner_rows
@@ -229,7 +229,6 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
         return (Program("learner step", mesh.size, whole.memory, held, held_what, None, 1, seconds, "", hints,
                         cost_note=f"{why} was refused: {refusal}", notes=notes), state_bytes)
 
-    micro = plan.micro_rows
     seconds = whole.seconds
     costed = whole
     if expected_rows != rows:
@@ -238,45 +237,15 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
         seconds += costed.seconds
         if costed.cost is None:
             return uncosted(seconds, "the step at the expected rows", costed.refusal)
-    forward_rows = micro or expected_rows
-    forward_passes = (optim.updates_per_step > 1) + config.loss.needs_reference
-    forward = Cost(0.0, 0.0, 0.0)
-    if forward_passes:
-        micro_batch = plan.abstract_batch(forward_rows, _rows_sharding(forward_rows, plan))
-        options = plan.learner_options()
-
-        def forward_logprobs(p, f, b):
-            model, adapters = (nnx.merge(learner.graphdef, p), None) if f is None else \
-                (nnx.merge(learner.base_graphdef, f), nnx.merge(learner.graphdef, p))
-            return batch_logprobs(model, b, adapters=adapters, chunk=optim.logprob_chunk,
-                                  **{**options, "temperature": options["temperature"] or 1.0})[0]
-
-        compiled = compile_one(jax.jit(forward_logprobs), (params, frozen, micro_batch), topology,
-                               label="learner step (a forward micro-batch alone, for its cost)")
-        seconds += compiled.seconds
-        if compiled.cost is None:
-            return uncosted(seconds, "a forward micro-batch alone", compiled.refusal)
-        forward = compiled.cost
-
-    def update(grads, opt_state, params):
-        updates, opt_state = learner.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), params)
-    compiled = compile_one(jax.jit(update, donate_argnums=(1, 2)), (grads, opt_state, params), topology,
-                           label="learner step (the optimizer update alone, for its cost)")
-    seconds += compiled.seconds
-    if compiled.cost is None:
-        return uncosted(seconds, "the optimizer update alone", compiled.refusal)
-    optimizer_cost = compiled.cost
-    gradient = roofline(max(costed.cost.flops - optimizer_cost.flops - forward_passes * forward.flops, 0.0),
-                        max(costed.cost.bytes - optimizer_cost.bytes - forward_passes * forward.bytes, 0.0), topology)
-    mini_rows = expected_rows // optim.mini_batches
-    gradient_micros = optim.updates_per_step * (mini_rows // micro if micro else 1)
-    cost = (forward * (forward_passes * (expected_rows // forward_rows)) + gradient * gradient_micros
-            + optimizer_cost * optim.updates_per_step)
-    return (Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints, notes=notes),
-            state_bytes)
+    # The step's loops (updates, micro-batches, log-prob chunks) counted as often as they run (hlo_cost.py).
+    breakdown = costed.breakdown
+    cost = roofline(breakdown.flops, breakdown.bytes, topology)
+    note = ()
+    if breakdown.uncounted_loops:
+        note = (f"{breakdown.uncounted_loops} loop(s) of the step whose trip count the compiled program does "
+                "not show are counted once",)
+    return (Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints,
+                    notes=notes + note, breakdown=breakdown), state_bytes)
 
 
 def _rows_sharding(rows: int, plan: RunPlan) -> NamedSharding:

@@ -147,6 +147,8 @@ def format_report(report: Report) -> str:
             lines.append(f"  {p.name}: no time estimate: {p.cost_note}")
         for note in p.notes:
             lines.append(f"  {p.name}: {note}")
+        if p.breakdown is not None:
+            lines += where_the_bytes_go(p, t)
     for x in report.transfers:
         lines.append(f"{x.name}: {size_text(x.bytes_per_device)}iB into each actor device, "
                      f"{time_text(x.seconds)} ({x.how}; a transfer, not a compiled program)")
@@ -161,8 +163,26 @@ def format_report(report: Report) -> str:
                      f"({s.tokens:,} prompt + completion tokens per step at the bucket lengths); "
                      f"MFU {100 * s.mfu:.1f}% ({count_text(s.model_flops)} model FLOPs per step)")
     lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth) per loop body, times its trip count (decode: "
-                 "every row to max_new_tokens); collectives and host work are not counted: a lower bound")
+                 "every row to max_new_tokens; the learner step: over the whole step, its loops counted); "
+                 "collectives and host work are not counted: a lower bound")
     return "\n".join(lines)
+
+
+def where_the_bytes_go(program: Program, topology: Topology, parts: int = 8) -> list[str]:
+    """The program's FLOPs-bound and bytes-bound times, and its largest parts by bytes (named scope of the model
+    code, and the kind of instruction: hlo_cost.Breakdown)."""
+    b = program.breakdown
+    lines = [f"  {program.name}: FLOPs-bound {time_text(b.flops / topology.peak_flops)} "
+             f"({count_text(b.flops)}FLOP at peak), bytes-bound {time_text(b.bytes / topology.hbm_bandwidth)} "
+             f"({size_text(b.bytes)}iB at HBM bandwidth) per device; where the bytes go (named scope, kind):"]
+    shown = 0.0
+    for (scope, kind), part in b.largest(parts):
+        shown += part.bytes
+        lines.append(f"    {scope + ', ' + kind:<32}{size_text(part.bytes):>8}iB {100 * part.bytes / b.bytes:5.1f}%"
+                     f"{count_text(part.flops):>9}FLOP")
+    if b.bytes - shown > 0:
+        lines.append(f"    {'the rest':<32}{size_text(b.bytes - shown):>8}iB {100 * (b.bytes - shown) / b.bytes:5.1f}%")
+    return lines
 
 
 def check_fits(report: Report) -> None:

@@ -1,0 +1,459 @@
+"""Per-device FLOPs and HBM bytes of a compiled program, read from its optimized HLO text, with every loop body
+counted as many times as the loop runs, and broken down by where the bytes go.
+
+XLA's own cost analysis (`compiled.cost_analysis()`) counts a while loop's body once whatever its trip count, so
+a program whose work sits in loops (the learner step's scans over micro-batches, updates and log-prob chunks)
+is undercounted by the trip counts. Here each instruction of the scheduled module is costed as XLA's
+HloCostAnalysis costs it, to the precision a roofline needs, and a `while` with a `known_trip_count` (which XLA
+annotates on every loop it can count: lax.scan, lax.map, fori_loop with static bounds) multiplies its body:
+
+- bytes: what a top-level instruction reads and writes: its operands and its result. A fusion reads only the
+  part of an operand that its dynamic-slices and slices take, and a fusion that updates a buffer in place
+  (dynamic-update-slice at its root) writes only the update. Tuples, get-tuple-element, bitcasts, parameters
+  and constants move nothing; an async collective is counted at its start.
+- FLOPs: 2 per multiply-add of every dot and convolution, inside fusions too. Elementwise work is not counted:
+  a roofline's FLOPs bound is the matmuls' (the elementwise work is in the bytes).
+- A `conditional` costs its dearest branch; a `call` its computation.
+
+`Breakdown.parts` groups the bytes and FLOPs by the named scope of the model code that made each instruction
+(`jax.named_scope`: the transformer's "attention", "mlp", ...; see SCOPES) and by the kind of instruction
+(matmul, collective, copy, other), so the compile report can say what moves the bytes.
+
+Pure Python over the HLO text: no JAX import, testable against NumPy-free references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+# Element sizes in bytes by HLO primitive type.
+ELEMENT_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+                 "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
+
+# The named scopes (jax.named_scope in the model and the learner) that a part of the breakdown is named by,
+# innermost first: an instruction made under several (the LM head inside the log-probs) goes to the first.
+SCOPES = ("lm_head", "logprobs", "attention", "mlp", "experts", "norm", "embed", "loss", "accumulate", "optimizer")
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all", "collective-broadcast")
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+        "replica-id", "iota", "opt-barrier", "add-dependency", "domain"}
+
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_NAME = re.compile(r"%([\w.\-]+)")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str  # the result's type text, e.g. "f32[8,128]{1,0}" or a tuple "(s32[], f32[4]{0})"
+    opcode: str
+    operands: tuple[str, ...]  # names of the operand instructions, in order
+    arguments: str  # the text between the opcode's parentheses (a parameter's index)
+    attributes: str  # the rest of the line: calls=, backend_config=, metadata=, ...
+    root: bool
+
+    @property
+    def bytes(self) -> float:
+        return shape_bytes(self.shape)
+
+    def attribute(self, key: str) -> str:
+        found = re.search(rf"\b{key}=(%[\w.\-]+|\{{[^}}]*\}}|[^,\s]+)", self.attributes)
+        return found.group(1) if found else ""
+
+    @property
+    def called(self) -> tuple[str, ...]:
+        """Computations this instruction runs: calls=, body=, condition=, branch_computations={...}, ..."""
+        names = []
+        for key in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation",
+                    "branch_computations", "async_execution_thread"):
+            value = self.attribute(key)
+            names += _NAME.findall(value)
+        return tuple(names)
+
+    @property
+    def op_name(self) -> str:
+        found = re.search(r'op_name="([^"]*)"', self.attributes)
+        return found.group(1) if found else ""
+
+
+@dataclasses.dataclass
+class Computation:
+    name: str
+    instructions: list[Instruction]
+
+    def __post_init__(self):
+        self.by_name = {i.name: i for i in self.instructions}
+        self._parameters = {int(i.arguments): i for i in self.instructions if i.opcode == "parameter"}
+
+    @property
+    def root(self) -> Instruction:
+        return next(i for i in self.instructions if i.root)
+
+    def parameter(self, index: int) -> Instruction | None:
+        return self._parameters.get(index)
+
+
+@dataclasses.dataclass
+class Part:
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def add(self, flops: float, nbytes: float, times: float) -> None:
+        self.flops += flops * times
+        self.bytes += nbytes * times
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """A program's per-device FLOPs and bytes with loops counted, and the same split by (scope, kind)."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    parts: dict = dataclasses.field(default_factory=dict)  # (scope, kind) -> Part
+    uncounted_loops: int = 0  # while loops without a known trip count, counted once as XLA does
+
+    def add(self, scope: str, kind: str, flops: float, nbytes: float, times: float) -> None:
+        self.flops += flops * times
+        self.bytes += nbytes * times
+        self.parts.setdefault((scope, kind), Part()).add(flops, nbytes, times)
+
+    def largest(self, n: int = 6, by: str = "bytes") -> list[tuple[tuple[str, str], Part]]:
+        return sorted(self.parts.items(), key=lambda kv: -getattr(kv[1], by))[:n]
+
+    def as_dict(self) -> dict:
+        return {"flops": self.flops, "bytes": self.bytes, "uncounted_loops": self.uncounted_loops,
+                "parts": [[scope, kind, p.flops, p.bytes] for (scope, kind), p in self.parts.items()]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Breakdown:
+        return cls(d["flops"], d["bytes"], {(s, k): Part(f, b) for s, k, f, b in d["parts"]}, d["uncounted_loops"])
+
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([0-9,]*)(?::T\((\d+(?:,\d+)*)\))?[^}]*\})?")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO type text, an array or the sum over a tuple's arrays, as laid out: a TPU layout's tile
+    (`{1,0:T(8,128)}`) rounds its most minor dimensions up to the tile, as the device stores them."""
+    total = 0.0
+    for dtype, dims, minor_to_major, tile in _ARRAY.findall(shape):
+        sizes = [int(d) for d in dims.split(",") if d]
+        if tile and minor_to_major:
+            order = [int(d) for d in minor_to_major.split(",") if d]
+            for dim, t in zip(order, reversed([int(t) for t in tile.split(",")])):
+                sizes[dim] = -(-sizes[dim] // t) * t
+        total += ELEMENT_BYTES.get(dtype, 4) * math.prod(sizes)
+    return total
+
+
+def shape_dims(shape: str) -> tuple[int, ...]:
+    found = _SHAPE.search(shape)
+    return tuple(int(d) for d in found.group(2).split(",") if d) if found else ()
+
+
+def parse_module(text: str) -> tuple[dict[str, Computation], str]:
+    """The module's computations by name, and the entry computation's name."""
+    computations, entry, current = {}, "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = Computation(header.group(2), [])
+            if header.group(1):
+                entry = current.name
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current.__post_init__()
+            computations[current.name] = current
+            current = None
+            continue
+        found = _INSTRUCTION.match(line)
+        if found:
+            name, shape, opcode, rest = found.groups()
+            depth, end = 1, len(rest)
+            for k, ch in enumerate(rest):  # the operand list ends at the parenthesis that closes it
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    end = k
+                    break
+            current.instructions.append(Instruction(name, shape, opcode, tuple(_NAME.findall(rest[:end])),
+                                                    rest[:end], rest[end + 1:], line.lstrip().startswith("ROOT")))
+    return computations, entry
+
+
+def _trip_count(loop: Instruction, computations: dict[str, Computation], outer: Computation) -> int | None:
+    """A while loop's trip count: XLA's `known_trip_count` annotation (CPU, GPU); else (TPU, which leaves it out)
+    read from the loop itself, when its condition is `counter < N` (or `N > counter`) on a tuple element that
+    starts at a constant (lax.scan, lax.map and static fori_loop all compile to this). None when neither."""
+    found = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attributes)
+    if found:
+        return int(found.group(1))
+    condition = computations.get(loop.attribute("condition").lstrip("%"))
+    if condition is None:
+        return None
+    compare = condition.root
+    operands = [condition.by_name.get(o) for o in compare.operands]
+    if compare.opcode == "fusion":  # the comparison fused: map the fusion's parameters to its operands
+        fused = computations.get(compare.attribute("calls").lstrip("%"))
+        if fused is None or fused.root.opcode != "compare":
+            return None
+        inner = [fused.by_name.get(o) for o in fused.root.operands]
+        if any(i is None or i.opcode != "parameter" for i in inner):
+            return None
+        operands = [operands[int(i.arguments)] for i in inner]
+        compare = fused.root
+    if compare.opcode != "compare" or len(operands) != 2 or any(o is None for o in operands):
+        return None
+    direction = compare.attribute("direction")
+    counter, limit = operands if direction == "LT" else operands[::-1] if direction == "GT" else (None, None)
+    if counter is None or counter.opcode != "get-tuple-element" or limit.opcode != "constant":
+        return None
+    index = int(counter.attribute("index"))
+    start = 0
+    init = outer.by_name.get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.opcode == "tuple" and index < len(init.operands):
+        element = outer.by_name.get(init.operands[index])
+        while element is not None and element.opcode == "copy":
+            element = outer.by_name.get(element.operands[0])
+        if element is not None and element.opcode == "constant":
+            start = int(element.arguments)
+    return max(0, int(limit.arguments) - start)
+
+
+def dot_flops(instruction: Instruction, computation: Computation) -> float:
+    """2 x result elements x contracted elements, for a dot or a convolution."""
+    out = math.prod(shape_dims(instruction.shape))
+    lhs = computation.by_name.get(instruction.operands[0]) if instruction.operands else None
+    if instruction.opcode == "dot":
+        dims = shape_dims(lhs.shape) if lhs is not None else ()
+        contracting = instruction.attribute("lhs_contracting_dims").strip("{}")
+        size = math.prod(dims[int(d)] for d in contracting.split(",") if d) if dims else 1
+        return 2.0 * out * size
+    rhs = computation.by_name.get(instruction.operands[1]) if len(instruction.operands) > 1 else None
+    labels = instruction.attribute("dim_labels")
+    if lhs is None or rhs is None or "_" not in labels:
+        return 0.0
+    lhs_labels, rest = labels.split("_", 1)
+    kernel_labels, out_labels = rest.split("->")
+    lhs_dims, kernel, out_dims = shape_dims(lhs.shape), shape_dims(rhs.shape), shape_dims(instruction.shape)
+    # Multiply-adds per output element: the kernel's input features times, per spatial dimension, the valid
+    # (output position, window position) pairs over the output positions (padding and dilation hold none).
+    macs = math.prod(size for label, size in zip(out_labels, out_dims) if not label.isdigit())
+    macs *= kernel[kernel_labels.index("i")]
+    window = _window(instruction.attribute("window"))
+    for spatial in sorted(label for label in out_labels if label.isdigit()):
+        k = int(spatial)
+        size = kernel[kernel_labels.index(spatial)]
+        w = window[k] if k < len(window) else {}
+        macs *= _valid_pairs(out_dims[out_labels.index(spatial)], size, lhs_dims[lhs_labels.index(spatial)],
+                             w.get("stride", 1), w.get("pad", (0, 0))[0], w.get("lhs_dilate", 1),
+                             w.get("rhs_dilate", 1))
+    return 2.0 * macs / int(instruction.attribute("batch_group_count") or 1)
+
+
+def _window(text: str) -> list[dict]:
+    """A convolution's window attribute, per spatial dimension: stride, pad (low, high), lhs_dilate, rhs_dilate."""
+    fields = dict(re.findall(r"(\w+)=([\dx_\-]+)", text.strip("{}")))
+    n = len(fields.get("size", "").split("x")) if fields.get("size") else 0
+    dims = [{} for _ in range(n)]
+    for key in ("stride", "lhs_dilate", "rhs_dilate"):
+        for d, value in enumerate(fields.get(key, "").split("x") if key in fields else []):
+            dims[d][key] = int(value)
+    for d, value in enumerate(fields["pad"].split("x") if "pad" in fields else []):
+        low, high = value.split("_")
+        dims[d]["pad"] = (int(low), int(high))
+    return dims
+
+
+def _valid_pairs(out: int, window: int, size: int, stride: int, pad_low: int, lhs_dilate: int,
+                 rhs_dilate: int) -> int:
+    """How many (output position, window position) pairs of one spatial dimension read an input element."""
+    dilated = (size - 1) * lhs_dilate + 1
+    total = 0
+    for k in range(window):
+        offset = k * rhs_dilate - pad_low  # input position = o * stride + offset
+        if lhs_dilate == 1:
+            low = max(0, -(-(-offset) // stride)) if offset < 0 else 0
+            high = min(out - 1, (dilated - 1 - offset) // stride) if dilated - 1 - offset >= 0 else -1
+            total += max(0, high - low + 1)
+        else:
+            total += sum(1 for o in range(out) if 0 <= o * stride + offset < dilated
+                         and (o * stride + offset) % lhs_dilate == 0)
+    return total
+
+
+class _Walker:
+    def __init__(self, text: str, count_loops: bool = True):
+        self.count_loops = count_loops
+        self.computations, self.entry = parse_module(text)
+        self.result = Breakdown()
+        self._fusion_flops: dict[str, float] = {}
+
+    def walk(self) -> Breakdown:
+        self._computation(self.entry, 1.0)
+        return self.result
+
+    def _computation(self, name: str, times: float) -> None:
+        computation = self.computations[name]
+        for instruction in computation.instructions:
+            self._instruction(instruction, computation, times)
+
+    def _instruction(self, instruction: Instruction, computation: Computation, times: float) -> None:
+        op = instruction.opcode
+        if op in FREE or op.endswith("-done") or op.endswith("-update"):
+            return
+        if op == "while":
+            body, condition = instruction.attribute("body"), instruction.attribute("condition")
+            trips = _trip_count(instruction, self.computations, computation)
+            if trips is None:
+                self.result.uncounted_loops += 1
+            if trips is None or not self.count_loops:
+                trips = 1
+            for called in (body, condition):
+                self._computation(called.lstrip("%"), times * trips)
+            return
+        if op == "conditional":
+            outer, costs = self.result, []
+            for branch in instruction.called:
+                self.result = Breakdown()
+                self._computation(branch, 1.0)
+                costs.append(self.result)
+            self.result = outer
+            dearest = max(costs, key=lambda b: (b.bytes, b.flops), default=Breakdown())
+            for (scope, kind), part in dearest.parts.items():
+                self.result.add(scope, kind, part.flops, part.bytes, times)
+            self.result.uncounted_loops += dearest.uncounted_loops
+            return
+        if op in ("call", "async-start") and instruction.called:
+            for called in instruction.called:
+                self._computation(called, times)
+            return
+        scope, kind = self._scope(instruction), self._kind(instruction)
+        flops = 0.0
+        if op == "fusion":
+            flops = self._flops_inside(instruction.attribute("calls").lstrip("%"))
+            nbytes = self._fusion_bytes(instruction, computation)
+        else:
+            if op in ("dot", "convolution"):
+                flops = dot_flops(instruction, computation)
+            nbytes = self._plain_bytes(instruction, computation)
+        self.result.add(scope, kind, flops, nbytes, times)
+
+    def _operand_bytes(self, name: str, computation: Computation) -> float:
+        operand = computation.by_name.get(name)
+        return operand.bytes if operand is not None else 0.0
+
+    def _plain_bytes(self, instruction: Instruction, computation: Computation) -> float:
+        op = instruction.opcode
+        result = instruction.bytes
+        if op.endswith("-start"):  # an async pair's start: its result tuple holds its operands and its result
+            return result
+        if op in ("dynamic-slice", "slice", "gather"):
+            return 2 * result
+        if op in ("dynamic-update-slice", "scatter"):
+            update = self._operand_bytes(instruction.operands[1 if op == "dynamic-update-slice" else 2],
+                                         computation)
+            return 2 * update
+        return sum(self._operand_bytes(o, computation) for o in instruction.operands) + result
+
+    def _fusion_bytes(self, instruction: Instruction, computation: Computation) -> float:
+        fused = self.computations.get(instruction.attribute("calls").lstrip("%"))
+        if fused is None:
+            return self._plain_bytes(instruction, computation)
+        in_place = set()
+        written = instruction.bytes
+        root = fused.root
+        roots = [fused.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
+        if any(r.opcode == "dynamic-update-slice" for r in roots):
+            written = 0.0
+            for r in roots:
+                if r.opcode == "dynamic-update-slice":
+                    target = fused.by_name.get(r.operands[0])
+                    if target is not None and target.opcode == "parameter":
+                        in_place.add(target.name)
+                    written += self._operand_bytes(r.operands[1], fused)
+                else:
+                    written += r.bytes
+        read = 0.0
+        users = _users(fused)
+        for index, operand in enumerate(instruction.operands):
+            parameter = fused.parameter(index)
+            full = self._operand_bytes(operand, computation)
+            if parameter is None:
+                read += full
+                continue
+            if parameter.name in in_place:
+                continue
+            uses = users.get(parameter.name, [])
+            if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == parameter.name
+                            for u in uses):
+                read += min(full, sum(u.bytes for u in uses))
+            else:
+                read += full
+        return read + written
+
+    def _flops_inside(self, name: str) -> float:
+        if name not in self._fusion_flops:
+            computation = self.computations.get(name)
+            total = 0.0
+            if computation is not None:
+                for i in computation.instructions:
+                    if i.opcode in ("dot", "convolution"):
+                        total += dot_flops(i, computation)
+                    elif i.opcode == "fusion":
+                        total += self._flops_inside(i.attribute("calls").lstrip("%"))
+            self._fusion_flops[name] = total
+        return self._fusion_flops[name]
+
+    def _fusion_has(self, name: str, opcodes: tuple[str, ...]) -> bool:
+        computation = self.computations.get(name)
+        if computation is None:
+            return False
+        return any(i.opcode in opcodes or (i.opcode == "fusion" and self._fusion_has(
+            i.attribute("calls").lstrip("%"), opcodes)) for i in computation.instructions)
+
+    def _kind(self, instruction: Instruction) -> str:
+        op = instruction.opcode.removesuffix("-start")
+        if op in COLLECTIVES:
+            return "collective"
+        if op in ("dot", "convolution"):
+            return "matmul"
+        if op == "fusion":
+            called = instruction.attribute("calls").lstrip("%")
+            if self._fusion_has(called, ("dot", "convolution")):
+                return "matmul"
+            if self._fusion_has(called, COLLECTIVES):
+                return "collective"
+        if op in ("copy", "transpose"):
+            return "copy"
+        return "other"
+
+    @staticmethod
+    def _scope(instruction: Instruction) -> str:
+        """The instruction's named scope (SCOPES), and " (backward)" for the gradient's (transposed) work."""
+        name = instruction.op_name
+        words = set(re.findall(r"[A-Za-z_]+", name))
+        scope = next((s for s in SCOPES if s in words), "other")
+        return scope + " (backward)" if "transpose" in words else scope
+
+
+def _users(computation: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = {}
+    for i in computation.instructions:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    return users
+
+
+def program_cost(hlo_text: str, count_loops: bool = True) -> Breakdown:
+    """The compiled program's per-device FLOPs and bytes, every loop body counted as often as it runs
+    (count_loops=False: once, as XLA's cost analysis counts it; the tests compare the two)."""
+    return _Walker(hlo_text, count_loops).walk()

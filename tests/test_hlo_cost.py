@@ -1,0 +1,150 @@
+"""planning/hlo_cost.py: a compiled program's FLOPs and bytes with every loop counted as often as it runs,
+checked against XLA's own cost analysis of the same work without loops (on CPU and on a described TPU), and
+split by named scope."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_jax.planning.compile import without_jax_cache
+from grpo_jax.planning.hlo_cost import _valid_pairs, dot_flops, parse_module, program_cost, shape_bytes
+from grpo_jax.planning.topology import tpu_topology
+
+N, STEPS = 128, 6
+
+
+def _scanned(x, w, xs):
+    def body(c, xi):
+        return jnp.tanh(c @ w + xi), None
+    return jax.lax.scan(body, x, xs)[0]
+
+
+def _unrolled(x, w, xs):
+    for i in range(STEPS):
+        x = jnp.tanh(x @ w + xs[i])
+    return x
+
+
+def _xla_cost(compiled) -> tuple[float, float]:
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return analysis["flops"], analysis["bytes accessed"]
+
+
+def _compile(f, args):
+    return jax.jit(f).lower(*args).compile()
+
+
+def test_a_loop_counts_its_body_as_often_as_it_runs_on_cpu():
+    """XLA's cost analysis counts the scan's body once; program_cost counts it STEPS times, which is what the
+    same work unrolled costs (XLA's figures for the unrolled program: matmul FLOPs exactly, bytes closely)."""
+    args = (jnp.ones((N, N)), jnp.ones((N, N)), jnp.ones((STEPS, N, N)))
+    scanned, unrolled = _compile(_scanned, args), _compile(_unrolled, args)
+    matmuls = STEPS * 2 * N ** 3
+    looped = program_cost(scanned.as_text())
+    assert looped.flops == matmuls and looped.uncounted_loops == 0
+    assert program_cost(scanned.as_text(), count_loops=False).flops == 2 * N ** 3
+    assert _xla_cost(scanned)[0] < matmuls / 2  # what this module corrects
+    flops, nbytes = _xla_cost(unrolled)
+    assert matmuls <= flops <= 1.05 * matmuls
+    assert 0.8 * nbytes <= looped.bytes <= 1.25 * nbytes
+    assert program_cost(unrolled.as_text()).flops == matmuls
+
+
+@pytest.fixture(scope="module")
+def tpu_devices():
+    with without_jax_cache():
+        yield tpu_topology("v5e:2x2").devices
+
+
+def test_on_tpu_the_trip_count_is_read_from_the_loop(tpu_devices):
+    """The TPU compiler does not annotate trip counts: program_cost reads them from the loop's condition. The
+    scanned program then costs what XLA says the unrolled one costs (FLOPs to 5%: elementwise work is not
+    counted; bytes within 25%)."""
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(tpu_devices[:1]), ("x",)), PartitionSpec())
+    args = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding)
+                 for s in ((N, N), (N, N), (STEPS, N, N)))
+    with without_jax_cache():
+        scanned, unrolled = _compile(_scanned, args), _compile(_unrolled, args)
+    looped = program_cost(scanned.as_text())
+    assert looped.uncounted_loops == 0
+    assert program_cost(scanned.as_text(), count_loops=False).flops == pytest.approx(looped.flops / STEPS)
+    flops, nbytes = _xla_cost(unrolled)
+    assert 0.95 * flops <= looped.flops <= 1.001 * flops
+    assert 0.75 * nbytes <= looped.bytes <= 1.25 * nbytes
+
+
+def test_a_tpu_convolution_counts_only_the_windows_that_read_input(tpu_devices):
+    """The TPU compiler writes some matmuls as padded convolutions; their FLOPs are counted over the valid
+    window positions only, as XLA counts them: a strided, padded, dilated convolution program costs XLA's
+    figure (it has no elementwise work)."""
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(tpu_devices[:1]), ("x",)), PartitionSpec())
+    lhs = jax.ShapeDtypeStruct((2, 16, 40, 24), jnp.float32, sharding=sharding)  # NCHW
+    rhs = jax.ShapeDtypeStruct((32, 16, 3, 5), jnp.float32, sharding=sharding)  # OIHW
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, window_strides=(2, 1), padding=((2, 1), (4, 3)),
+                                            lhs_dilation=(1, 2), rhs_dilation=(2, 1))
+    with without_jax_cache():
+        compiled = _compile(conv, (lhs, rhs))
+    flops, _ = _xla_cost(compiled)
+    assert program_cost(compiled.as_text()).flops == pytest.approx(flops, rel=0.01)
+
+
+@settings(max_examples=200, deadline=None)
+@given(out=st.integers(1, 12), window=st.integers(1, 6), size=st.integers(1, 12), stride=st.integers(1, 3),
+       pad=st.integers(0, 4), lhs_dilate=st.integers(1, 3), rhs_dilate=st.integers(1, 3))
+def test_valid_window_pairs_match_counting_them(out, window, size, stride, pad, lhs_dilate, rhs_dilate):
+    dilated = (size - 1) * lhs_dilate + 1
+    expected = sum(1 for o, k in itertools.product(range(out), range(window))
+                   if 0 <= o * stride + k * rhs_dilate - pad < dilated
+                   and (o * stride + k * rhs_dilate - pad) % lhs_dilate == 0)
+    assert _valid_pairs(out, window, size, stride, pad, lhs_dilate, rhs_dilate) == expected
+
+
+def test_a_tpu_layout_counts_its_tile_padding():
+    assert shape_bytes("f32[4,32,64]{2,1,0}") == 4 * 32 * 64 * 4
+    assert shape_bytes("f32[4,32,64]{2,1,0:T(8,128)S(1)}") == 4 * 32 * 128 * 4
+    assert shape_bytes("bf16[3,100]{0,1:T(8,128)(2,1)}") == 128 * 104 * 2  # dim 0 is minor: 3 -> 128, 100 -> 104
+    assert shape_bytes("(s32[]{:T(128)}, f32[10]{0})") == 4 + 40
+
+
+def test_a_dot_counts_its_contracted_elements():
+    text = """HloModule m
+
+ENTRY %main (a: bf16[8,64,32], b: bf16[32,16]) -> f32[8,64,16] {
+  %a = bf16[8,64,32]{2,1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  ROOT %d = f32[8,64,16]{2,1,0} dot(%a, %b), lhs_contracting_dims={2}, rhs_contracting_dims={0}
+}
+"""
+    computations, entry = parse_module(text)
+    dot = computations[entry].root
+    assert dot_flops(dot, computations[entry]) == 2 * 8 * 64 * 16 * 32
+    cost = program_cost(text)
+    assert cost.flops == 2 * 8 * 64 * 16 * 32
+    assert cost.bytes == 8 * 64 * 32 * 2 + 32 * 16 * 2 + 8 * 64 * 16 * 4
+
+
+def test_the_breakdown_names_the_scope_and_the_backward_pass():
+    """Work made under jax.named_scope goes to that scope; the gradient's to the scope marked (backward). The
+    parts add up to the whole."""
+    def loss(w, x):
+        with jax.named_scope("mlp"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("loss"):
+            return jnp.sum(h * h)
+
+    args = (jnp.ones((N, N)), jnp.ones((4 * N, N)))
+    cost = program_cost(_compile(jax.grad(loss), args).as_text())
+    matmul = 2 * 4 * N * N * N
+    assert cost.parts[("mlp", "matmul")].flops == matmul
+    assert cost.parts[("mlp (backward)", "matmul")].flops == matmul  # only dW: x needs no gradient
+    assert sum(p.bytes for p in cost.parts.values()) == pytest.approx(cost.bytes)
+    assert {"mlp", "mlp (backward)"} <= {scope for scope, _ in cost.parts}
