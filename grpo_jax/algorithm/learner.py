@@ -64,6 +64,7 @@ at lr 0, and the importance weight would carry that noise at staleness 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -77,6 +78,7 @@ from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
 from grpo_jax.model.transformer import Transformer, positions_from_mask
+from grpo_jax.parallel.sharding import constrain_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +268,8 @@ def token_logprobs(model: Transformer, tokens: jax.Array, input_mask: jax.Array,
         hidden, targets = take_scored(hidden, scored_positions), take_scored(targets, scored_positions)
     elif last:
         hidden, targets = hidden[:, -last:], targets[:, -last:]
-    return chunked_logprobs(model.logits, hidden, targets, chunk, temperature, top_k, top_p, with_entropy)
+    logits_of = functools.partial(model.logits, head=model.head_for(hidden.dtype))
+    return chunked_logprobs(logits_of, hidden, targets, chunk, temperature, top_k, top_p, with_entropy)
 
 
 def batch_logprobs(model: Transformer, batch: TrainBatch, **options):
@@ -294,7 +297,7 @@ def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: in
 
     @jax.checkpoint
     def one_chunk(h, target):
-        logprobs, entropy = tempered_logprobs(logits_of(h), target, temperature, top_k, top_p,
+        logprobs, entropy = tempered_logprobs(logits_of(constrain_rows(h)), target, temperature, top_k, top_p,
                                               with_entropy=with_entropy)
         return logprobs, (entropy if with_entropy else jnp.zeros_like(logprobs))
 
@@ -507,7 +510,7 @@ class NonFiniteError(UserError, RuntimeError):
     exit_code = 3
 
 
-def jit_train_step(step, params, opt_state, expert_parallel: bool = False):
+def jit_train_step(step, params, opt_state):
     """The learner step (make_train_step) jitted as every run runs it, for the trainer (real `params` and
     `opt_state`) and grpo-jax compile (abstract ones) alike: the old parameters and moments donated (XLA updates
     them in place), and returned with the shardings they came in, pinned: left to XLA the first step can return
@@ -519,8 +522,8 @@ def jit_train_step(step, params, opt_state, expert_parallel: bool = False):
 
     out = (jax.tree.map(current, params), jax.tree.map(current, opt_state), None, None)
     mesh = next((s.mesh for s in jax.tree.leaves(out[0]) if s is not None), None)
-    if expert_parallel and mesh is not None:  # traced with the parameters' mesh in context: the experts' shard_map
-        inner = step
+    if mesh is not None:  # traced with the parameters' mesh in context: the activations' layout (constrain_rows)
+        inner = step      # and the experts' shard_map (expert_parallel)
 
         def step(*args):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -539,7 +542,6 @@ class Learner:
                  reference_model: Transformer | None = None, temperature: float = 1.0, adapters=None,
                  dropout_seed: int = 0, top_k: int = 0, top_p: float = 1.0):
         self.base_graphdef = self.frozen = None
-        self.expert_parallel = model.config.expert_parallel
         if adapters is None:
             self.graphdef, self.params = nnx.split(model)
         else:
@@ -572,7 +574,7 @@ class Learner:
     def _step(self):
         """The jitted step (jit_train_step), built on first use, when the state has its final placement."""
         if self._jitted_step is None:
-            self._jitted_step = jit_train_step(self._step_fn, self.params, self.opt_state, self.expert_parallel)
+            self._jitted_step = jit_train_step(self._step_fn, self.params, self.opt_state)
         return self._jitted_step
 
     def check_batch(self, batch: TrainBatch) -> None:

@@ -30,6 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from grpo_jax.parallel.sharding import constrain, constrain_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # ModelConfig fields that only some families use (Gemma 3's local layers, Qwen3-MoE's experts): at their defaults
@@ -612,7 +615,7 @@ class Transformer(nnx.Module):
         routing: [B, T, len(config.moe_layers), num_experts_per_tok] int32, experts to route each token to instead
         of the router's choice (routing replay: the experts the actor used), or None.
         """
-        x = self.embed_tokens(tokens)
+        x = constrain_rows(self.embed_tokens(tokens))
         t = tokens.shape[1]
         s = key_mask.shape[1]
         query_slot = write_index + jnp.arange(t)[:, None]
@@ -650,6 +653,7 @@ class Transformer(nnx.Module):
                 x, layer_cache, experts = jax.checkpoint(block)(block_state, layer_key, layer_routing, *args)
             else:
                 x, layer_cache, experts = layer(*args, layer_adapters, layer_key, layer_routing)
+            x = constrain_rows(x)
             new_cache.append(layer_cache)
             if experts is not None:
                 used.append(experts)
@@ -662,11 +666,18 @@ class Transformer(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    def head_for(self, dtype) -> jnp.ndarray:
+        """The output projection [E, V] in the compute dtype, gathered over fsdp (vocab stays split over tensor):
+        made once and passed to `logits` by a caller that calls it in a loop (learner.chunked_logprobs), so that
+        neither the cast nor the gather is repeated per chunk."""
+        return constrain(self.head_weight().astype(dtype), PartitionSpec(None, "tensor"))
+
     @jax.named_scope("lm_head")
-    def logits(self, hidden):
+    def logits(self, hidden, head: jnp.ndarray | None = None):
+        """float32 logits [..., V] of hidden states [..., E]; head: head_for(hidden.dtype) made beforehand."""
         rows = hidden.reshape(-1, hidden.shape[-1])  # [B*T, E]: see MLP.__call__
-        out = jnp.einsum("ne,ev->nv", rows, self.head_weight().astype(hidden.dtype),
-                         preferred_element_type=jnp.float32)
+        head = self.head_weight().astype(hidden.dtype) if head is None else head
+        out = jnp.einsum("ne,ev->nv", rows, head, preferred_element_type=jnp.float32)
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
     def __call__(self, tokens, positions=None, key_mask=None, cache=None, write_index=0, adapters=None):

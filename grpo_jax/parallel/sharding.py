@@ -173,6 +173,29 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = 
     return module
 
 
+def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """x laid out as `spec` when traced under a mesh that has its axes (the learner step is:
+    learner.jit_train_step) and each split dimension divides; else x unchanged (the actor, one device, eager
+    code), as the parameters' rules leave a dimension whole that does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    for dim, axes in zip(x.shape, spec):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        if not set(axes) <= set(mesh.axis_names) or dim % math.prod(mesh.shape[a] for a in axes):
+            return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """x's leading (row) dimension split over data x fsdp, the rest whole (see constrain): FSDP's activation
+    layout, stated. Left to itself XLA's partitioner also splits activations' embed dimension over fsdp, as the
+    weights are, and then moves whole activations between the two layouts (all-to-alls, and partial sums
+    all-reduced) instead of gathering the weights: measured on Qwen2.5-1.5B on v5e-8 with planning/hlo_cost.py
+    (docs/compile.md)."""
+    return constrain(x, PartitionSpec(("data", "fsdp")))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch dimension split over data and fsdp (the usual FSDP data layout)."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

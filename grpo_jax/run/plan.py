@@ -403,7 +403,7 @@ class RunPlan:
         step = make_train_step(graphdef, optimizer, config.loss, config.optim,
                                graphdef if reference is not None else None, base_graphdef=base_graphdef,
                                **self.learner_options())
-        jitted = jit_train_step(step, params, opt_state, self.model.expert_parallel)
+        jitted = jit_train_step(step, params, opt_state)
         step_index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)  # sets the rate
         return LearnerStep(jitted, (params, opt_state, self.abstract_batch(), reference, frozen, dropout_key,
                                     step_index), graphdef, base_graphdef, optimizer)
