@@ -37,6 +37,10 @@ def test_overrides_are_typed_and_nested():
     ("grpo.group_size=1", ["grpo.group_size=1", ">= 2"]),
     ("data.source=csv", ["data.source='csv'", "jsonl"]),
     ("rewards=[{name: nope}]", ["rewards[0]", "nope"]),
+    ("rewards=[{name: python_output, kwargs: {memory_mb: 16}}]",
+     ["rewards[0]", "python_output: memory_mb=16", ">= 64"]),
+    ("rewards=[{name: python_output, kwargs: {timeout_s: 10}}]",
+     ["rewards[0].kwargs.timeout_s=10: must be below trainer.reward_timeout_s=10.0", "raise trainer.reward_timeout_s"]),
     ("model.hidden=3", ["unknown config key 'model.hidden'", "hidden_size"]),
     ("model.num_layers=two", ["model.num_layers='two'", "integer"]),
     ("model.num_layers=2.5", ["model.num_layers=2.5", "integer"]),
@@ -53,6 +57,13 @@ def test_bad_values_are_refused_with_key_value_and_allowed(override, fragments):
         load_config(Config, TINY, [override])
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_a_python_output_program_may_run_less_than_the_reward_timeout():
+    assert load_config(Config, TINY, ["rewards=[{name: python_output}]"]).rewards == [{"name": "python_output"}]
+    cfg = load_config(Config, TINY, ["rewards=[{name: python_output, kwargs: {timeout_s: 10}}]",
+                                     "trainer.reward_timeout_s=30"])
+    assert cfg.rewards[0]["kwargs"] == {"timeout_s": 10}
 
 
 def test_bad_files(tmp_path):

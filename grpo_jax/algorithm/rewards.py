@@ -20,7 +20,9 @@ grpo_jax.train(rewards=[(fn, weight)]) takes the reward function itself (see reg
 way the function runs on RewardSuite's threads, under the same deadline and failure handling as the
 built-in ones; a spec with `isolation: "process"` runs it in worker processes instead, which are killed
 at the deadline (RewardSpec), the default for a built-in reward given a regex by the config. A config
-that names a factory runs that code wherever the config is loaded: the import, then the factory.
+that names a factory runs that code wherever the config is loaded: the import, then the factory. Code the model
+wrote never runs in this interpreter: `python_output` runs it in a grpo_jax.sandbox.Sandbox, and a factory of
+your own creates one once and calls it per sample.
 
 Each call gets its own copy of its records, so a function may change them. A function that fails on
 every sample never fails the run here: the actor stops the run once no group could be trained for
@@ -50,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from grpo_jax import sandbox
 from grpo_jax.data import tasks
 
 RewardFn = Callable[[list, list, "list[int] | None"], list]
@@ -297,6 +300,63 @@ def synthetic_digits_reward(answer_key: str = "answer", stop: str | list[str] = 
 
     def fn(records, completions, lengths=None):
         return [tasks.digits_score(str(r[answer_key]), c, stop, length_penalty) for r, c in zip(records, completions)]
+
+    return fn
+
+
+_PYTHON_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def last_python_block(text: str) -> str | None:
+    """The code in the last closed ```python fenced block of `text`, or None when there is none (a block the
+    completion did not close, cut off at the token limit, does not count)."""
+    blocks = _PYTHON_BLOCK.findall(text)
+    return blocks[-1] if blocks else None
+
+
+def reference_output(answer: str) -> str:
+    """The expected output in an answer field, stripped: the text after its last "####" when it has one (GSM8K's
+    worked solutions), else the whole field."""
+    hashes = _HASHES.findall(answer)
+    return (hashes[-1] if hashes else answer).strip()
+
+
+@register_reward("python_output")
+def python_output_reward(answer_key: str = "answer", stdin_key: str = "", **limits: Any) -> RewardFn:
+    """1.0 when the completion's last ```python block, run in a grpo_jax.sandbox.Sandbox with `limits` (its
+    keyword arguments: timeout_s, memory_mb, ...), exits 0 and prints, once stripped, the record's reference
+    (reference_output of its `answer_key` field), else 0.0. `stdin_key` names a field given to the program as
+    its standard input ("": none). A completion without a block, and a program that fails (a timeout, the
+    memory limit, an exception, the network), score 0.0: those are the model's failures. One the sandbox
+    itself cannot run raises (SandboxError), which fails the sample."""
+    if not isinstance(answer_key, str) or not answer_key:
+        raise ValueError(f"python_output: answer_key={answer_key!r}: must be the name of the field that holds the "
+                         "expected output, e.g. 'answer'")
+    if not isinstance(stdin_key, str):
+        raise ValueError(f"python_output: stdin_key={stdin_key!r}: must be the name of the field given to the program "
+                         "as its standard input, or '' for none")
+    for key, value in limits.items():
+        if key not in sandbox.LIMITS:
+            raise ValueError(f"python_output: unknown kwarg {key}={value!r}; allowed answer_key, stdin_key, "
+                             f"{', '.join(sandbox.LIMITS)}")
+    try:
+        box = sandbox.Sandbox(**limits)
+    except ValueError as e:
+        raise ValueError(f"python_output: {e}") from None
+    # No close(): the sandbox keeps no process between runs, and one still running at exit is killed then.
+
+    def fn(records, completions, lengths=None):
+        out = []
+        for record, completion in zip(records, completions):
+            expected = reference_output(str(record[answer_key]))
+            stdin = str(record[stdin_key]) if stdin_key else ""
+            code = last_python_block(completion)
+            if code is None:
+                out.append(0.0)
+                continue
+            result = box.run_python(code, stdin)
+            out.append(float(result.ok and result.stdout.strip() == expected))
+        return out
 
     return fn
 

@@ -103,6 +103,7 @@ class Config:
 
     def validate(self) -> list[str]:
         from grpo_jax.algorithm.rewards import RewardNameError, RewardSpec, get_reward
+        from grpo_jax.sandbox import Sandbox
 
         problems = []
         if not self.model_path and self.tokenizer == "":
@@ -120,8 +121,17 @@ class Config:
                 get_reward(parsed.name, **parsed.kwargs)
             except RewardNameError as e:
                 problems.append(f"rewards[{i}].name={e.name!r}: {e.reason}")
+                continue
             except (ValueError, TypeError) as e:
                 problems.append(f"rewards[{i}]={spec!r}: {e}")
+                continue
+            # A program that runs to its sandbox's limit must end before the scoring it is part of does, or it
+            # fails its sample as a timed-out reward instead of scoring 0.
+            program_s = parsed.kwargs.get("timeout_s", Sandbox.timeout_s)
+            if parsed.name == "python_output" and program_s >= self.trainer.reward_timeout_s:
+                problems.append(f"rewards[{i}].kwargs.timeout_s={program_s}: must be below "
+                                f"trainer.reward_timeout_s={self.trainer.reward_timeout_s}, which bounds the scoring "
+                                "of a whole handout; lower it, or raise trainer.reward_timeout_s")
         if self.loss.aggregation == "seq_mean_token_sum_norm" and self.loss.max_completion_len <= 0:
             problems.append("loss.max_completion_len=0: aggregation seq_mean_token_sum_norm needs the constant "
                             f"normaliser (usually sampler.max_new_tokens={self.sampler.max_new_tokens})")
