@@ -23,8 +23,9 @@ RLIMIT_NPROC (`max_processes`; Linux never applies it to root), then runs the so
 the output passes its limit, the child's whole process group is killed with SIGKILL. run_python is safe to call
 from many threads at once: at most `workers` children run at a time, the other calls wait for a slot (the
 wait is not part of the program's `timeout_s`). close() kills the children running now and refuses later runs;
-children still running when the interpreter exits are killed then, and a child dies with the thread that
-started it (PR_SET_PDEATHSIG): a trainer killed with SIGKILL leaves no program running.
+children still running when the interpreter exits are killed then (and their directories removed), and a child
+dies with the thread that started it (PR_SET_PDEATHSIG): a trainer killed with SIGKILL leaves no program running,
+only the working directories of the runs it was in (grpo_jax_sandbox_* in the temporary directory).
 
 Isolation, probed once per process (`probe_isolation`) and recorded on each Sandbox:
 
@@ -309,16 +310,17 @@ class Sandbox:
         object.__setattr__(self, "_slots", threading.BoundedSemaphore(self.workers))
         object.__setattr__(self, "_lock", threading.Lock())
         object.__setattr__(self, "_closed", threading.Event())
-        object.__setattr__(self, "_live", set())  # the children running now
+        object.__setattr__(self, "_live", {})  # the children running now: their working directories
         # At interpreter exit (or when the sandbox is collected) the children still running are killed.
-        object.__setattr__(self, "_finalizer", weakref.finalize(self, _kill_all, self._live))
+        object.__setattr__(self, "_finalizer", weakref.finalize(self, _end_all, self._live))
 
     def close(self) -> None:
         """Kill the programs running now (their run_python calls raise SandboxError) and refuse later runs."""
         with self._lock:
             self._closed.set()
             live = list(self._live)
-        _kill_all(live)
+        for process in live:
+            _kill_group(process)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -363,9 +365,9 @@ class Sandbox:
         finally:
             os.close(status_write)
         with self._lock:
-            self._live.add(process)
+            self._live[process] = workdir
             if self._closed.is_set():  # closed since this call took its slot
-                _kill_all([process])
+                _kill_group(process)
         try:
             with open(status_read, "rb") as status:
                 outcome = _Exchange(process, status, stdin.encode(), start + self.timeout_s,
@@ -373,7 +375,7 @@ class Sandbox:
         finally:
             _kill(process)
             with self._lock:
-                self._live.discard(process)
+                del self._live[process]
         wall_s = time.monotonic() - start
         if self._closed.is_set() and process.returncode < 0:
             raise SandboxError("the sandbox was closed while the program ran")
@@ -477,13 +479,8 @@ class _Exchange:
 
 
 def _kill(process: subprocess.Popen) -> None:
-    """Kill the child's process group and reap the child. Only before the child is reaped is its pid (the
-    group's id) sure not to be reused."""
-    if process.returncode is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """Kill the child's process group and reap the child."""
+    _kill_group(process)
     process.wait()
     for stream in (process.stdin, process.stdout, process.stderr):
         if stream is not None and not stream.closed:
@@ -493,13 +490,20 @@ def _kill(process: subprocess.Popen) -> None:
                 pass
 
 
-def _kill_all(processes) -> None:
-    for process in list(processes):
-        if process.returncode is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+def _kill_group(process: subprocess.Popen) -> None:
+    """Only until the child is reaped is its pid, the group's id, sure not to be reused."""
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _end_all(live: dict) -> None:
+    """At interpreter exit, for the threads still waiting on children, which will not clean up after them."""
+    for process, workdir in list(live.items()):
+        _kill_group(process)
+        _remove_tree(workdir)
 
 
 def _remove_tree(path: str) -> None:

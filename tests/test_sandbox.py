@@ -295,12 +295,13 @@ def test_close_kills_the_running_programs_and_refuses_more(shared_dir):
 
 @pytest.mark.parametrize("end", ["exits", "is killed"])
 def test_programs_still_running_when_the_interpreter_ends_are_killed(shared_dir, end):
-    beats = shared_dir / "beats"
+    beats, workdir = shared_dir / "beats", shared_dir / "workdir"
+    program = f"import os, time\nopen({str(workdir)!r}, 'w').write(os.getcwd())" + beating(beats)
     script = f"""
 import os, signal, threading, time
 from grpo_jax.sandbox import Sandbox
 box = Sandbox(timeout_s=60.0)
-threading.Thread(target=box.run_python, args=({"import time" + beating(beats)!r},), daemon=True).start()
+threading.Thread(target=box.run_python, args=({program!r},), daemon=True).start()
 give_up = time.monotonic() + 10
 while not os.path.exists({str(beats)!r}) and time.monotonic() < give_up:
     time.sleep(0.01)
@@ -310,6 +311,9 @@ if {end == "is killed"}:  # no atexit, no finalizer: only the kernel can end the
     ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=30)
     assert ended.returncode == (-signal.SIGKILL if end == "is killed" else 0)
     assert stops_beating(beats)
+    if end == "exits":
+        assert not os.path.exists(workdir.read_text())
+    shutil.rmtree(workdir.read_text(), ignore_errors=True)  # what a killed trainer leaves (documented)
 
 
 def test_limits_are_checked_naming_key_value_and_meaning():
