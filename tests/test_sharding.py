@@ -6,7 +6,15 @@ import pytest
 from flax import nnx
 
 from grpo_jax.model.transformer import ModelConfig, create_model
-from grpo_jax.parallel.sharding import MeshConfig, batch_sharding, cut_devices, make_mesh, shard_module, spec_for
+from grpo_jax.parallel.sharding import (
+    MeshConfig,
+    batch_sharding,
+    constrain_rows,
+    cut_devices,
+    make_mesh,
+    shard_module,
+    spec_for,
+)
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=8, num_kv_heads=2, qkv_bias=True)
@@ -67,3 +75,18 @@ def test_the_device_cut_chooses_one_actor_per_host_or_one_across_hosts_and_names
         cut_devices(hosts, 0, MeshConfig(fsdp=8))
     with pytest.raises(ValueError, match="fits neither one host's 2 actor device.s. nor the 4 of all 2 hosts"):
         cut_devices(hosts, 2, MeshConfig(fsdp=3))
+
+
+def test_constrain_rows_splits_rows_only_under_a_mesh_whose_axes_divide_them():
+    """Under the learner step's mesh (jit_train_step traces under it) a row-constrained array comes out split
+    over data x fsdp whatever its input's layout; outside a mesh, or when the rows do not divide, unchanged."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    whole = jax.device_put(np.ones((8, 6), np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    f = jax.jit(lambda x: constrain_rows(x * 2))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        split = f(whole)
+        odd = jax.jit(lambda x: constrain_rows(x * 2))(whole[:6])
+    assert split.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    np.testing.assert_array_equal(np.asarray(split), 2 * np.ones((8, 6)))
+    assert odd.sharding.is_fully_replicated  # 6 rows over 4: left to the compiler, as before
+    assert jax.jit(lambda x: constrain_rows(x * 2))(whole).sharding.is_fully_replicated  # no mesh in context
