@@ -148,3 +148,48 @@ def test_the_breakdown_names_the_scope_and_the_backward_pass():
     assert cost.parts[("mlp (backward)", "matmul")].flops == matmul  # only dW: x needs no gradient
     assert sum(p.bytes for p in cost.parts.values()) == pytest.approx(cost.bytes)
     assert {"mlp", "mlp (backward)"} <= {scope for scope, _ in cost.parts}
+
+
+UNROLLED_TWICE = """HloModule m
+
+%body (p: (u32[], f32[64,64], f32[64,64])) -> (u32[], f32[64,64], f32[64,64]) {
+  %p = (u32[], f32[64,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[64,64]{1,0} get-tuple-element(%p), index=1
+  %w = f32[64,64]{1,0} get-tuple-element(%p), index=2
+  %d = f32[64,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %c = u32[] copy(%i)
+  %two = u32[] constant(2)
+  %next = u32[] add(%c, %two)
+  ROOT %t = (u32[], f32[64,64]{1,0}, f32[64,64]{1,0}) tuple(%next, %d, %w)
+}
+
+%cond (p: (u32[], f32[64,64], f32[64,64])) -> pred[] {
+  %p = (u32[], f32[64,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %limit = u32[] constant(LIMIT)
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {
+  %x = f32[64,64]{1,0} parameter(0)
+  %w = f32[64,64]{1,0} parameter(1)
+  %zero = u32[] constant(START)
+  %start = u32[] copy(%zero)
+  %init = (u32[], f32[64,64]{1,0}, f32[64,64]{1,0}) tuple(%start, %x, %w)
+  %loop = (u32[], f32[64,64]{1,0}, f32[64,64]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[64,64]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+@pytest.mark.parametrize("start, limit, trips", [(0, 4, 2), (0, 7, 4), (1, 8, 4), (4, 4, 0)])
+def test_a_loop_without_an_annotation_runs_from_its_start_to_its_limit_by_its_step(start, limit, trips):
+    """TPU leaves trip counts out; its own loops (windowed einsums) step the counter by 2: the count is
+    ceil((limit - start) / step), read from the condition, the initial tuple and the body's update."""
+    text = UNROLLED_TWICE.replace("LIMIT", str(limit)).replace("START", str(start))
+    cost = program_cost(text)
+    assert cost.uncounted_loops == 0
+    assert cost.flops == trips * 2 * 64 ** 3
+    unknown = text.replace("%next = u32[] add(%c, %two)", "%next = u32[] multiply(%c, %two)")
+    assert program_cost(unknown).uncounted_loops == 1 and program_cost(unknown).flops == 2 * 64 ** 3

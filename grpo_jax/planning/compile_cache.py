@@ -30,7 +30,8 @@ import tempfile
 import jax
 
 CACHE_DIR_ENV = "GRPO_JAX_COMPILE_CACHE_DIR"
-FORMAT = 2  # bumped when an entry's fields change: older entries are then never looked up
+# Bumped when an entry's fields, or how hlo_cost reads a program, change: older entries are then never looked up.
+FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,7 +192,8 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
 def _trip_count(loop: Instruction, computations: dict[str, Computation], outer: Computation) -> int | None:
     """A while loop's trip count: XLA's `known_trip_count` annotation (CPU, GPU); else (TPU, which leaves it out)
     read from the loop itself, when its condition is `counter < N` (or `N > counter`) on a tuple element that
-    starts at a constant (lax.scan, lax.map and static fori_loop all compile to this). None when neither."""
+    starts at a constant and to which the body adds a constant step (lax.scan, lax.map and static fori_loop
+    all compile to this, and so do the TPU compiler's own loops). None when neither."""
     found = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attributes)
     if found:
         return int(found.group(1))
@@ -217,15 +218,40 @@ def _trip_count(loop: Instruction, computations: dict[str, Computation], outer: 
     if counter is None or counter.opcode != "get-tuple-element" or limit.opcode != "constant":
         return None
     index = int(counter.attribute("index"))
+    step = _counter_step(computations.get(loop.attribute("body").lstrip("%")), index)
+    if step is None:
+        return None
     start = 0
     init = outer.by_name.get(loop.operands[0]) if loop.operands else None
     if init is not None and init.opcode == "tuple" and index < len(init.operands):
-        element = outer.by_name.get(init.operands[index])
-        while element is not None and element.opcode == "copy":
-            element = outer.by_name.get(element.operands[0])
+        element = _through_copies(outer, init.operands[index])
         if element is not None and element.opcode == "constant":
             start = int(element.arguments)
-    return max(0, int(limit.arguments) - start)
+    return max(0, -(-(int(limit.arguments) - start) // step))
+
+
+def _through_copies(computation: Computation, name: str) -> Instruction | None:
+    element = computation.by_name.get(name)
+    while element is not None and element.opcode == "copy":
+        element = computation.by_name.get(element.operands[0])
+    return element
+
+
+def _counter_step(body: Computation | None, index: int) -> int | None:
+    """What the loop body adds to tuple element `index` (its counter) each trip: 1 for lax.scan, 2 for a loop
+    the compiler unrolled twice (TPU's windowed einsums); None when the body does not add a constant to it."""
+    if body is None or body.root.opcode != "tuple" or index >= len(body.root.operands):
+        return None
+    update = body.by_name.get(body.root.operands[index])
+    if update is None or update.opcode != "add":
+        return None
+    parts = [_through_copies(body, o) for o in update.operands]
+    constant = next((p for p in parts if p is not None and p.opcode == "constant"), None)
+    counter = next((p for p in parts if p is not None and p.opcode == "get-tuple-element"), None)
+    if constant is None or counter is None or int(counter.attribute("index")) != index:
+        return None
+    step = int(constant.arguments)
+    return step if step > 0 else None
 
 
 def dot_flops(instruction: Instruction, computation: Computation) -> float:
