@@ -23,7 +23,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from grpo_jax.model.transformer import DTYPES
 from grpo_jax.planning import compile_cache, hlo_cost
@@ -246,12 +245,6 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
                 "not show are counted once",)
     return (Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints,
                     notes=notes + note, breakdown=breakdown), state_bytes)
-
-
-def _rows_sharding(rows: int, plan: RunPlan) -> NamedSharding:
-    """A forward micro-batch's rows split as the batch when they divide over data x fsdp, else whole."""
-    mesh = plan.learner_mesh
-    return plan.batch_sharding if rows % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else plan.replicated
 
 
 def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, ...]:

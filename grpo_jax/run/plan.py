@@ -69,14 +69,10 @@ def run_model_config(config: Config) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LearnerStep:
-    """The learner step as the trainer runs it: the jitted program, the (abstract) arguments it takes, and
-    what it was made of (to compile parts of it on their own, for their cost)."""
+    """The learner step as the trainer runs it: the jitted program and the (abstract) arguments it takes."""
 
     jitted: object
     args: tuple  # parameters, optimizer state, batch, reference, frozen base, dropout key, learner-step index
-    graphdef: object  # of the trained parameters (the adapters with LoRA)
-    base_graphdef: object  # of the frozen base with LoRA, else None
-    optimizer: optax.GradientTransformation
 
     @property
     def params(self):
@@ -406,7 +402,7 @@ class RunPlan:
         jitted = jit_train_step(step, params, opt_state)
         step_index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)  # sets the rate
         return LearnerStep(jitted, (params, opt_state, self.abstract_batch(), reference, frozen, dropout_key,
-                                    step_index), graphdef, base_graphdef, optimizer)
+                                    step_index))
 
 
 def _placed(module: nnx.Module, mesh: Mesh):
