@@ -374,8 +374,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render a conversation to the prompt string (not tokenized). Extra kwargs reach the template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """Render a conversation to the prompt string (not tokenized). tools: JSON schemas of the tools the model
+        is offered, as transformers passes them (grpo_jax.envs.tools.Tool.schema). Extra kwargs reach the
+        template."""
         if self.chat_template is None:
             raise ValueError(f"{self.source}: tokenizer has no chat_template (looked for 'chat_template' in "
                              f"{TOKENIZER_CONFIG_FILE} and for {CHAT_TEMPLATE_FILE}); use plain prompts instead")
@@ -388,7 +391,7 @@ class Tokenizer:
         variables = {k: v for k, v in specials.items() if v is not None}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **variables, **kwargs)
+                                         tools=tools, documents=None, **variables, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.source}: chat_template failed: {e}") from e
 
