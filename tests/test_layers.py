@@ -13,6 +13,7 @@ LAYERS = [
     {"data"},  # sources, tokenizers, the collector that stamps ordinals
     {"model"},  # the transformer, its Hugging Face and LoRA forms
     {"algorithm"},  # sampling distribution, advantages, losses, rewards, the learner
+    {"envs"},  # multi-turn environments, tools, renderers per model family, trajectories (no JAX)
     {"rollout"},  # sampler, engine, actor, weight sync
     {"run"},  # the whole Config, the run description, trainer, evaluation, metrics
     {"planning"},  # grpo-jax compile

@@ -1,0 +1,182 @@
+"""Environments: what a multi-turn (agentic) episode talks to. Host-side, JAX-free, asynchronous.
+
+An episode, as the rollout engine is to run it (the engine does not run environments yet):
+
+    env = make_environment(config)             # the factory, called for every episode: a fresh Environment
+    messages = await env.reset(row, seed)      # the opening conversation, from the dataset row
+    repeat:                                    # the model writes one assistant turn (ids sampled by the engine,
+        result = await env.step(turn)          #   parsed by the renderer into an AssistantTurn)
+    until result.done, or config.max_turns assistant turns, or config.max_total_tokens tokens in the sequence
+                                               #   (then the episode is truncated)
+    reward = await env.reward()                # the episode's reward: a float, or named parts {name: float}
+    await env.close()                          # always: after a failure or a timeout too
+
+Each call within config.step_timeout_s; at most config.concurrency episodes at once, on one event loop: an
+environment must not block it (Tool.run sends plain tool functions to worker threads).
+
+The environment speaks messages, the trainer owns tokens: an environment never sees or makes token ids. A
+message is a dict {"role": ..., "content": str}: `reset` returns system, user (and, for a few-shot opening,
+assistant) messages; `step` returns user and tool messages ({"role": "tool", "name": ..., "content": ...},
+one per result, in call order; a call that could not be parsed has no name). The renderer of the model's
+family turns them into ids (grpo_jax.envs.render).
+
+Tools: `tools` lists the Tool objects the model is offered (their schemas go into the prompt). The default
+`step` runs the turn's tool calls and answers with their results, and ends the episode on a turn without tool
+calls. A call that could not be parsed, names no tool, or fails (ToolError) is answered with "Error: ..." as its
+result and counted in StepResult.tool_errors; the episode goes on. Override `step` for anything else (a
+simulated user, a game); `reset` and `reward` are always yours.
+
+Config: EnvConfig names the factory by import path ("package.module:factory", loaded as reward factories are:
+grpo_jax.algorithm.rewards.import_factory), called with `kwargs`; an Environment subclass is such a factory
+itself. `grpo-jax train` accepts no env section yet: EnvConfig is validated standalone
+(config_io.build_config(EnvConfig, values)).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from grpo_jax.algorithm.rewards import RewardNameError, import_factory
+from grpo_jax.envs.render import ENVIRONMENT_ROLES, AssistantTurn, check_messages
+from grpo_jax.envs.tools import Tool, ToolError
+from grpo_jax.errors import ConfigError
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What the environment says after an assistant turn. reward: this step's reward, if it gives one (the
+    episode's is `Environment.reward()`); info: anything for the logs; tool_errors: how many of the turn's tool
+    calls failed (the default step counts them)."""
+
+    messages: list[dict]
+    reward: float | None = None
+    done: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+    tool_errors: int = 0
+
+    def __post_init__(self):
+        check_messages(self.messages, "StepResult.messages", ENVIRONMENT_ROLES)
+        if self.reward is not None and not _is_number(self.reward):
+            raise ValueError(f"StepResult.reward={self.reward!r}: a number, or None for no reward at this step")
+        if not isinstance(self.done, bool):
+            raise ValueError(f"StepResult.done={self.done!r}: True or False")
+        if not isinstance(self.info, dict):
+            raise ValueError(f"StepResult.info={self.info!r}: a dict")
+        if not (isinstance(self.tool_errors, int) and not isinstance(self.tool_errors, bool) and self.tool_errors >= 0):
+            raise ValueError(f"StepResult.tool_errors={self.tool_errors!r}: an integer >= 0")
+
+
+def reward_parts(value, where: str = "reward()") -> dict[str, float]:
+    """An episode's reward as named parts: a number is {"reward": value}; a dict must map names to numbers."""
+    if _is_number(value):
+        return {"reward": float(value)}
+    if isinstance(value, dict) and value and all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
+        return {k: float(v) for k, v in value.items()}
+    raise ValueError(f"{where} returned {value!r}: a number, or a non-empty dict of named numbers "
+                     "({'correct': 1.0, 'format': 0.5})")
+
+
+class Environment(abc.ABC):
+    """One episode's environment (module docstring). Subclasses write reset and reward, and step unless the
+    default (run the turn's tool calls) is what they need."""
+
+    tools: Sequence[Tool] = ()
+
+    @abc.abstractmethod
+    async def reset(self, row: dict, seed: int) -> list[dict]:
+        """The opening conversation for dataset row `row`; `seed` makes any randomness of the episode repeatable."""
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        """Run the turn's tool calls and answer with their results; a turn without any ends the episode."""
+        if not turn.tool_calls and turn.parse_error is None:
+            return StepResult(messages=[], done=True)
+        by_name = {tool.name: tool for tool in self.tools}
+        messages, errors = [], 0
+        for call in turn.tool_calls:
+            try:
+                if call.name not in by_name:
+                    raise ToolError(f"unknown tool {call.name!r} (tools: {', '.join(by_name) or 'none'})")
+                result = await by_name[call.name].run(call.arguments)
+            except ToolError as e:
+                result, errors = f"Error: {e}", errors + 1
+            messages.append({"role": "tool", "name": call.name, "content": result})
+        if turn.parse_error is not None:
+            messages.append({"role": "tool", "content": f"Error: {turn.parse_error}"})
+            errors += 1
+        return StepResult(messages=messages, tool_errors=errors)
+
+    @abc.abstractmethod
+    async def reward(self) -> float | dict[str, float]:
+        """The episode's reward once it ended (done, or truncated): a number, or named parts."""
+
+    async def close(self) -> None:
+        """Release what the episode holds (called after every episode, also one that failed or timed out)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """The environment a run's episodes use, and the limits on an episode (module docstring)."""
+
+    name: str = ""  # the factory by import path, "package.module:factory"
+    kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the factory
+    max_turns: int = 8  # assistant turns per episode; an episode still going then is truncated
+    # the most tokens one sequence may hold (prompt, sampled and environment tokens); an episode that would
+    # pass it is truncated
+    max_total_tokens: int = 4096
+    concurrency: int = 32  # episodes running at once (per process)
+    step_timeout_s: float = 30.0  # the longest one reset, step, reward or close may take
+
+    def validate(self) -> list[str]:
+        problems = []
+        if not self.name:
+            problems.append("name='': name the environment's factory by import path 'package.module:factory'")
+        else:
+            try:
+                import_factory(self.name)
+            except RewardNameError as e:
+                problems.append(f"name={self.name!r}: {e.reason}")
+        if not isinstance(self.kwargs, dict):
+            problems.append(f"kwargs={self.kwargs!r}: a mapping of the factory's keyword arguments")
+        for key, meaning in (("max_turns", "assistant turns per episode"),
+                             ("max_total_tokens", "tokens one sequence may hold"),
+                             ("concurrency", "episodes at once")):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key}={value!r}: must be an integer >= 1 ({meaning})")
+        if not (_is_number(self.step_timeout_s) and 0 < self.step_timeout_s < math.inf):
+            problems.append(f"step_timeout_s={self.step_timeout_s!r}: must be a number of seconds > 0")
+        return problems
+
+
+def make_environment(config: EnvConfig) -> Environment:
+    """A new Environment from the config's factory. Every failure is a ConfigError naming env.name and the fix."""
+    problems = config.validate()
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(f"env.{p}" for p in problems))
+    factory = import_factory(config.name)
+    shape = "the name must be a factory f(**kwargs) returning a new grpo_jax.envs.environment.Environment"
+    try:
+        env = factory(**config.kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever user code raises, it is a config problem found at start
+        raise ConfigError(f"env.name={config.name!r}: {config.name}(**kwargs) raised {type(e).__name__}: {e}"
+                          + (f"; {shape}" if isinstance(e, TypeError) else "")) from e
+    if not isinstance(env, Environment):
+        raise ConfigError(f"env.name={config.name!r}: {config.name}(**kwargs) returned a {type(env).__name__}, "
+                          f"not an Environment; {shape}")
+    names = set()
+    for i, tool in enumerate(env.tools):
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"env.name={config.name!r}: tools[{i}] is a {type(tool).__name__}, not a Tool; make "
+                              "it one with grpo_jax.envs.tools.Tool.from_function(fn)")
+        if tool.name in names:
+            raise ConfigError(f"env.name={config.name!r}: two tools are named {tool.name!r}; the model calls tools "
+                              "by name, so give each its own")
+        names.add(tool.name)
+    return env

@@ -1,0 +1,545 @@
+"""Renderers: a conversation's token ids for one model family, as the family's chat template writes them.
+
+Token-in/token-out: the ids the sampler produced are the ids the learner trains, never decoded and encoded
+again. The environment speaks messages; turning its messages into ids is the renderer's job:
+
+- `initial_ids(messages, tools)`: the opening prompt, tool schemas included, ending with the generation prompt.
+- `parse(assistant_ids)`: the sampled turn as an AssistantTurn (content, tool calls, reasoning, and the turn
+  as a chat message for the history). A malformed tool call is `parse_error`, never an exception.
+- `append_ids(history, new_messages, tools)`: the ids that follow the sampled turn: the end-of-turn glue the
+  model did not sample (the "\\n" after Qwen's <|im_end|>), the environment's messages as the template writes
+  them (several tool results in a row included), and the next generation prompt. Or CannotExtend when the
+  template renders the history differently once the new messages follow (Qwen3 drops the reasoning of turns
+  before the last user message): that is not faked; the trajectory starts a new segment there (prime-rl's way).
+- `stop_ids`: the ids that end an assistant turn (`end_of_turn_ids`, after which the conversation can go on, and
+  the end-of-text ids, after which it cannot).
+
+How: each family's `render` is its chat template written in Python; the tests render the same conversations
+with the real templates (Tokenizer.apply_chat_template, tools included) and require the same ids.
+`append_ids` renders the history without and with the new messages and returns the ids of the difference when
+the first render is a prefix of the second. The difference starts right after an end-of-turn special token,
+where the tokenizer splits the text anyway, so its ids are those the whole render has there (checked on a
+probe when the renderer is made: a tokenizer whose end-of-turn token swallows the text after it is refused).
+
+Families (`RENDERERS`):
+- qwen2: Qwen2.5's template (Qwen2's, with `default_system="You are a helpful assistant."`): tools listed in
+  the system message, calls as <tool_call>{"name", "arguments"}</tool_call> in the assistant turn, results as
+  <tool_response> blocks in one user turn.
+- qwen3: Qwen3's template: the same tool format, and <think> reasoning that the template keeps only for the
+  turns after the last user message: a user message from the environment after reasoning cannot extend; with
+  `enable_thinking=False` (the generation prompt closes an empty <think> block, which the template drops from
+  earlier turns) no turn extends.
+- llama3: Llama 3.1's template (its custom tools): tools as JSON in the first user message (or the system
+  message, `tools_in_user_message=False`), one call per turn as {"name", "parameters"} JSON alone in the turn
+  (after <|python_tag|> or not), results in `ipython` turns as JSON strings (the template writes a string
+  result through tojson). A turn of several calls is a parse_error: the template renders one call per turn.
+  Built-in tools (brave_search, wolfram_alpha, code_interpreter) are not rendered.
+- gemma3: Gemma 3's template has no tool format, so this one is grpo_jax's: the system message followed by
+  Qwen's tool instructions folded into the first user turn (as the template folds a system message), calls
+  as Qwen's <tool_call> blocks in the model turn, and the environment's messages of one step merged into one
+  user turn (the template needs user and model turns to alternate): each tool result as a <tool_response>
+  block, each user message as it is, joined by "\\n". `template_messages` gives the conversation in that form,
+  as Gemma's own template takes it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.envs.tools import Tool, ToolCall
+from grpo_jax.errors import ConfigError
+
+ENVIRONMENT_ROLES = ("user", "tool")  # what an environment step may say
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+LLAMA31_DATE = "26 Jul 2024"  # Llama 3.1's template's date when none is given
+
+# Qwen's tool instructions (Qwen2.5 and Qwen3 write the same words; Gemma 3 gets them too).
+_QWEN_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_QWEN_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+_LLAMA_TOOLS_FORMAT = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                       'its value}.Do not use variables.\n\n')
+_LLAMA_SYSTEM_TOOLS = ("You have access to the following functions. To call a function, please respond with JSON for "
+                       "a function call." + _LLAMA_TOOLS_FORMAT)
+_LLAMA_USER_TOOLS = ("Given the following functions, please respond with a JSON for a function call with its proper "
+                     "arguments that best answers the given prompt.\n\n" + _LLAMA_TOOLS_FORMAT)
+
+
+def _tojson(value, indent: int | None = None) -> str:
+    # The templates' tojson (grpo_jax.data.tokenizer, as transformers'): not ASCII-escaped, Python's separators.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AssistantTurn:
+    """One sampled assistant turn, parsed. `message` is the turn as a chat message for the history (the form
+    the family's template takes: content, tool_calls, reasoning_content)."""
+
+    text: str  # the sampled text, its stop token left out
+    content: str  # the text for the reader: before the tool calls, after the reasoning
+    tool_calls: tuple[ToolCall, ...] = ()
+    parse_error: str | None = None  # why a tool call could not be read (the calls that could are in tool_calls)
+    reasoning: str | None = None  # the <think> block's text (qwen3); None when the turn has none
+    # "stop": ended with an end-of-turn token (the conversation can go on); "eos": with the end-of-text token (the
+    # model ended the conversation); "length": with no stop token (cut off by the token limit)
+    finish: str
+    message: dict
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CannotExtend:
+    """append_ids' answer when the template renders the history differently once the new messages follow: the
+    ids so far are not a prefix of the template's render, so the trajectory starts a new segment."""
+
+    reason: str
+
+
+def tool_schemas(tools: Sequence[Tool | dict] | None) -> list[dict] | None:
+    """Tools as chat templates take them: their schemas, or None for none (an empty list included)."""
+    if not tools:
+        return None
+    return [t.schema if isinstance(t, Tool) else t for t in tools]
+
+
+def check_messages(messages: Sequence[dict], where: str, roles: Sequence[str] | None = None) -> None:
+    """ValueError unless every message is a dict with a str role (one of `roles`, when given) and str content."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}[{i}]: a message is a dict {{'role': ..., 'content': ...}}, got "
+                             f"{type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or (roles is not None and role not in roles):
+            allowed = ", ".join(roles) if roles is not None else "a string"
+            raise ValueError(f"{where}[{i}]: role={role!r}: allowed {allowed}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}[{i}]: content must be a str, got {type(content).__name__}")
+
+
+def _calls(message: dict) -> list[tuple[str, dict]]:
+    """(name, arguments) of each tool call of a message; a call is {"function": {...}} or flat, as templates allow."""
+    out = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call)
+        out.append((function["name"], function["arguments"]))
+    return out
+
+
+def _message_calls(calls: Sequence[ToolCall]) -> list[dict]:
+    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _qwen_call_text(name: str, arguments) -> str:
+    arguments_text = arguments if isinstance(arguments, str) else _tojson(arguments)
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + arguments_text + "}\n</tool_call>"
+
+
+def _qwen_tools_text(tools: list[dict]) -> str:
+    return _QWEN_TOOLS_HEAD + "".join("\n" + _tojson(t) for t in tools) + _QWEN_TOOLS_TAIL
+
+
+def _read_call(body: str, arguments_keys: tuple[str, ...], where: str) -> tuple[ToolCall | None, str | None]:
+    """A call's JSON object {"name": str, <arguments key>: object} as a ToolCall, or why it is not one."""
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        return None, f"{where}: invalid JSON ({e})"
+    shape = '{"name": ..., "' + arguments_keys[0] + '": {...}}'
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None, f"{where}: expected {shape}, got {body.strip()[:200]}"
+    key = next((k for k in arguments_keys if k in value), None)
+    arguments = value.get(key, {}) if key else {}
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return None, f"{where}: the arguments of {value['name']} must be a JSON object, got {_tojson(arguments)[:200]}"
+    return ToolCall(name=value["name"], arguments=arguments), None
+
+
+def _parse_tagged_calls(text: str) -> tuple[str, list[ToolCall], str | None]:
+    """Qwen's format: content, then <tool_call>\\n{json}\\n</tool_call> blocks. The content is the text before the
+    first block, less the one newline the template writes between them; text after the last block is ignored."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, [], None
+    content = text[:start].removesuffix("\n")
+    calls, errors = [], []
+    for number, chunk in enumerate(text[start:].split("<tool_call>")[1:], start=1):
+        if "</tool_call>" not in chunk:
+            errors.append(f"tool call {number}: no closing </tool_call>")
+            continue
+        call, error = _read_call(chunk.split("</tool_call>")[0], ("arguments", "parameters"), f"tool call {number}")
+        if call is not None:
+            calls.append(call)
+        else:
+            errors.append(error)
+    return content, calls, "; ".join(errors) or None
+
+
+class Renderer(abc.ABC):
+    """A model family's chat format (module docstring). Subclasses give the family's tokens and `render` (its
+    chat template in Python) and `parse_text`."""
+
+    family: str
+    special_tokens: tuple[str, ...]  # every special token the format writes
+    end_of_turn: tuple[str, ...]  # tokens that end a turn the conversation goes on after; [0] is the template's
+    end_of_text: tuple[str, ...]  # stop tokens after which the conversation cannot go on
+    glue: str  # what the template writes after the end-of-turn token, which the model does not sample
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        missing = [t for t in self.special_tokens if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise ConfigError(f"renderer {self.family!r}: tokenizer {tokenizer.source} has no {', '.join(missing)}: "
+                              f"it is not a {self.family} tokenizer; use the renderer of the model's family "
+                              f"({', '.join(RENDERERS)})")
+        self.end_of_turn_ids = tuple(tokenizer.token_to_id(t) for t in self.end_of_turn)
+        self.end_of_text_ids = tuple(tokenizer.token_to_id(t) for t in self.end_of_text)
+        probe = self.glue + "x"
+        if tokenizer.encode(self.end_of_turn[0] + probe) != [self.end_of_turn_ids[0], *tokenizer.encode(probe)]:
+            raise ConfigError(f"renderer {self.family!r}: tokenizer {tokenizer.source} does not split {probe!r} from "
+                              f"{self.end_of_turn[0]} (an added token that strips the text after it?), so the ids "
+                              "after a turn cannot be encoded on their own")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.end_of_turn_ids + self.end_of_text_ids
+
+    @abc.abstractmethod
+    def render(self, messages: Sequence[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The conversation as the family's chat template renders it (tools: schemas, or None)."""
+
+    @abc.abstractmethod
+    def parse_text(self, text: str, finish: str) -> AssistantTurn:
+        """A sampled turn's text (its stop token left out) as an AssistantTurn."""
+
+    def initial_ids(self, messages: Sequence[dict], tools: Sequence[Tool | dict] | None = None) -> list[int]:
+        """The ids of the opening conversation with the tools' schemas, ending with the generation prompt."""
+        check_messages(messages, "messages")
+        if not messages:
+            raise ValueError("messages=[]: a conversation needs at least one message")
+        return self.tokenizer.encode(self.render(messages, tool_schemas(tools), add_generation_prompt=True))
+
+    def parse(self, assistant_ids: Sequence[int]) -> AssistantTurn:
+        """The sampled ids of one assistant turn (ending with the stop id, when one was sampled) as an
+        AssistantTurn."""
+        ids = [int(i) for i in assistant_ids]
+        finish = "length"
+        if ids and ids[-1] in self.end_of_turn_ids:
+            finish, ids = "stop", ids[:-1]
+        elif ids and ids[-1] in self.end_of_text_ids:
+            finish, ids = "eos", ids[:-1]
+        return self.parse_text(self.tokenizer.decode(ids, skip_special_tokens=False), finish)
+
+    def append_ids(self, history: Sequence[dict], new_messages: Sequence[dict],
+                   tools: Sequence[Tool | dict] | None = None) -> list[int] | CannotExtend:
+        """The ids that follow the last (sampled) assistant turn of `history` once the environment said
+        `new_messages`: end-of-turn glue, the messages, the next generation prompt. CannotExtend when the
+        template then renders the history differently."""
+        check_messages(history, "history")
+        check_messages(new_messages, "new_messages", ENVIRONMENT_ROLES)
+        if not history or history[-1]["role"] != "assistant":
+            raise ValueError("history must end with the assistant turn the new messages answer")
+        schemas = tool_schemas(tools)
+        before = self.render(history, schemas, add_generation_prompt=False)
+        after = self.render([*history, *new_messages], schemas, add_generation_prompt=True)
+        if not before.endswith(self.end_of_turn[0] + self.glue):
+            raise ValueError(f"{self.family}: the history's render does not end with {self.end_of_turn[0]!r} + "
+                             f"{self.glue!r}: {before[-80:]!r}")
+        if not after.startswith(before):
+            at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(after))
+            at = before.rfind("\n", 0, at) + 1  # from the start of the line that differs
+            return CannotExtend(reason=f"{self.family}'s chat template renders the history differently once these "
+                                       f"messages follow: from character {at}, {before[at:at + 60]!r} becomes "
+                                       f"{after[at:at + 60]!r}")
+        return self.tokenizer.encode(after[len(before) - len(self.glue):])
+
+
+class Qwen2Renderer(Renderer):
+    """Qwen2.5's chat template (module docstring)."""
+
+    family = "qwen2"
+    special_tokens = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    end_of_turn = ("<|im_end|>",)
+    end_of_text = ("<|endoftext|>",)
+    glue = "\n"
+
+    def __init__(self, tokenizer: Tokenizer, *, default_system: str = QWEN25_DEFAULT_SYSTEM):
+        """default_system: the system message the template writes when the conversation has none (Qwen2.5's;
+        Qwen2's is "You are a helpful assistant.")."""
+        super().__init__(tokenizer)
+        self.default_system = default_system
+
+    def render(self, messages, tools, add_generation_prompt):
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system = messages[0]["content"] if has_system else self.default_system
+        out = ["<|im_start|>system\n" + system]
+        if tools:
+            out.append("\n\n" + _qwen_tools_text(tools))
+        out.append("<|im_end|>\n")
+        for i, message in enumerate(messages):
+            role, content = message["role"], message["content"]
+            calls = _calls(message)
+            if role == "user" or (role == "system" and i > 0) or (role == "assistant" and not calls):
+                out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            elif role == "assistant":
+                out.append("<|im_start|>assistant" + ("\n" + content if content else ""))
+                out.extend("\n" + _qwen_call_text(name, arguments) for name, arguments in calls)
+                out.append("<|im_end|>\n")
+            elif role == "tool":
+                out.append(_qwen_tool_response(messages, i))
+            elif not (role == "system" and i == 0):  # (the first system message is written above)
+                raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders system, user, assistant, tool")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+    def parse_text(self, text, finish):
+        content, calls, error = _parse_tagged_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = _message_calls(calls)
+        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
+                             message=message)
+
+
+def _qwen_tool_response(messages: Sequence[dict], i: int) -> str:
+    # Consecutive tool results share one user turn.
+    first = i == 0 or messages[i - 1]["role"] != "tool"
+    last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+    return (("<|im_start|>user" if first else "") + "\n<tool_response>\n" + messages[i]["content"]
+            + "\n</tool_response>" + ("<|im_end|>\n" if last else ""))
+
+
+class Qwen3Renderer(Renderer):
+    """Qwen3's chat template (module docstring)."""
+
+    family = "qwen3"
+    special_tokens = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    end_of_turn = ("<|im_end|>",)
+    end_of_text = ("<|endoftext|>",)
+    glue = "\n"
+
+    def __init__(self, tokenizer: Tokenizer, *, enable_thinking: bool = True):
+        """enable_thinking=False: the template's variable of that name; the generation prompt closes an empty
+        thinking block, so the model answers at once."""
+        super().__init__(tokenizer)
+        self.enable_thinking = enable_thinking
+
+    def render(self, messages, tools, add_generation_prompt):
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        out = []
+        if tools:
+            out.append("<|im_start|>system\n" + (messages[0]["content"] + "\n\n" if has_system else "")
+                       + _qwen_tools_text(tools) + "<|im_end|>\n")
+        elif has_system:
+            out.append("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n")
+        # The last user message that is not tool responses: assistant turns before it lose their reasoning.
+        last_query = next((i for i in reversed(range(len(messages))) if messages[i]["role"] == "user"
+                           and not (messages[i]["content"].startswith("<tool_response>")
+                                    and messages[i]["content"].endswith("</tool_response>"))), len(messages) - 1)
+        for i, message in enumerate(messages):
+            role, content = message["role"], message["content"]
+            if role == "user" or (role == "system" and i > 0):
+                out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            elif role == "assistant":
+                reasoning = message.get("reasoning_content")
+                if reasoning is None:
+                    reasoning = ""
+                    if "</think>" in content:
+                        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                        content = content.split("</think>")[-1].lstrip("\n")
+                if i > last_query and (i == len(messages) - 1 or reasoning):
+                    out.append("<|im_start|>assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n"
+                               + content.lstrip("\n"))
+                else:
+                    out.append("<|im_start|>assistant\n" + content)
+                for j, (name, arguments) in enumerate(_calls(message)):
+                    if j > 0 or content:
+                        out.append("\n")
+                    out.append(_qwen_call_text(name, arguments))
+                out.append("<|im_end|>\n")
+            elif role == "tool":
+                out.append(_qwen_tool_response(messages, i))
+            elif not (role == "system" and i == 0):  # (the first system message is written above)
+                raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders system, user, assistant, tool")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n" + ("" if self.enable_thinking else "<think>\n\n</think>\n\n"))
+        return "".join(out)
+
+    def parse_text(self, text, finish):
+        reasoning, answer = None, text
+        if "</think>" in text:  # as the template reads a turn's reasoning out of its content
+            reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            answer = text.split("</think>")[-1].lstrip("\n")
+        content, calls, error = _parse_tagged_calls(answer)
+        message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = _message_calls(calls)
+        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error,
+                             reasoning=reasoning, finish=finish, message=message)
+
+
+class Llama3Renderer(Renderer):
+    """Llama 3.1's chat template with custom tools (module docstring)."""
+
+    family = "llama3"
+    special_tokens = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                      "<|end_of_text|>", "<|python_tag|>")
+    end_of_turn = ("<|eot_id|>", "<|eom_id|>")
+    end_of_text = ("<|end_of_text|>",)
+    glue = ""
+
+    def __init__(self, tokenizer: Tokenizer, *, date_string: str = LLAMA31_DATE, tools_in_user_message: bool = True):
+        """date_string and tools_in_user_message: the template's variables of those names."""
+        super().__init__(tokenizer)
+        self.date_string, self.tools_in_user_message = date_string, tools_in_user_message
+
+    def render(self, messages, tools, add_generation_prompt):
+        messages = list(messages)
+        system = ""
+        if messages and messages[0]["role"] == "system":
+            system, messages = messages[0]["content"].strip(), messages[1:]
+        out = ["<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"]
+        if tools is not None:
+            out.append("Environment: ipython\n")
+        out.append(f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n")
+        tool_list = "".join(_tojson(t, indent=4) + "\n\n" for t in tools or ())
+        if tools is not None and not self.tools_in_user_message:
+            out.append(_LLAMA_SYSTEM_TOOLS + tool_list)
+        out.append(system + "<|eot_id|>")
+        if tools is not None and self.tools_in_user_message:
+            if not messages:
+                raise ValueError("llama3: the tools go into the first user message, and there is none")
+            first, messages = messages[0]["content"].strip(), messages[1:]
+            out.append("<|start_header_id|>user<|end_header_id|>\n\n" + _LLAMA_USER_TOOLS + tool_list + first
+                       + "<|eot_id|>")
+        for message in messages:
+            role = message["role"]
+            if not (role in ("tool", "ipython") or "tool_calls" in message):
+                out.append(f"<|start_header_id|>{role}<|end_header_id|>\n\n{message['content'].strip()}<|eot_id|>")
+            elif "tool_calls" in message:
+                calls = _calls(message)
+                if len(calls) != 1:
+                    raise ValueError("llama3: Llama 3.1's template renders one tool call per assistant message, "
+                                     f"this one has {len(calls)}")
+                (name, arguments), = calls
+                out.append('<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + name
+                           + '", "parameters": ' + _tojson(arguments) + "}<|eot_id|>")
+            else:
+                # The template writes a string result through tojson too (a str is iterable in jinja): quoted.
+                out.append("<|start_header_id|>ipython<|end_header_id|>\n\n" + _tojson(message["content"])
+                           + "<|eot_id|>")
+        if add_generation_prompt:
+            out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        return "".join(out)
+
+    def parse_text(self, text, finish):
+        body = text.removeprefix("<|python_tag|>")
+        plain = {"role": "assistant", "content": text}
+        if body == text and not body.lstrip().startswith("{"):
+            return AssistantTurn(text=text, content=text, finish=finish, message=plain)
+        # After <|python_tag|>, or JSON from the first character: the model meant a call.
+        try:
+            _, end = json.JSONDecoder().raw_decode(body.strip())
+        except json.JSONDecodeError as e:
+            return AssistantTurn(text=text, content=text, parse_error=f"tool call: invalid JSON ({e})",
+                                 finish=finish, message=plain)
+        if body.strip()[end:].strip():
+            return AssistantTurn(text=text, content=text, finish=finish, message=plain,
+                                 parse_error="tool call: text after the call's JSON object; Llama 3.1's template "
+                                             "writes one call per turn, alone")
+        call, error = _read_call(body, ("parameters", "arguments"), "tool call")
+        if call is None:
+            return AssistantTurn(text=text, content=text, parse_error=error, finish=finish, message=plain)
+        message = {"role": "assistant", "content": "", "tool_calls": _message_calls([call])}
+        return AssistantTurn(text=text, content="", tool_calls=(call,), finish=finish, message=message)
+
+
+class Gemma3Renderer(Renderer):
+    """Gemma 3's chat template, with grpo_jax's tool format (module docstring)."""
+
+    family = "gemma3"
+    special_tokens = ("<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>")
+    end_of_turn = ("<end_of_turn>",)
+    end_of_text = ("<eos>",)
+    glue = "\n"
+
+    def template_messages(self, messages: Sequence[dict], tools: list[dict] | None) -> list[dict]:
+        """The conversation as Gemma 3's own template takes it (system, then alternating user and assistant
+        messages of plain text): tool instructions joined to the system message, tool calls written into the
+        assistant's text, each run of tool and user messages merged into one user message."""
+        out, rest = [], list(messages)
+        system = []
+        if rest and rest[0]["role"] == "system":
+            system.append(rest.pop(0)["content"])
+        if tools:
+            system.append(_qwen_tools_text(tools))
+        if system:
+            out.append({"role": "system", "content": "\n\n".join(system)})
+        merging = False  # the last message of `out` is a user message that more user/tool messages join
+        for i, message in enumerate(rest):
+            role, content = message["role"], message["content"]
+            if role == "assistant":
+                calls = [_qwen_call_text(name, arguments) for name, arguments in _calls(message)]
+                out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
+                merging = False
+            elif role in ("user", "tool"):
+                piece = content if role == "user" else "<tool_response>\n" + content + "\n</tool_response>"
+                if merging:
+                    out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + piece}
+                else:
+                    out.append({"role": "user", "content": piece})
+                merging = True
+            else:
+                raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders a first system message, then "
+                                 "user, assistant and tool messages")
+        return out
+
+    def render(self, messages, tools, add_generation_prompt):
+        turns = self.template_messages(messages, tools)
+        prefix = ""
+        if turns and turns[0]["role"] == "system":
+            prefix, turns = turns[0]["content"] + "\n\n", turns[1:]
+        out = ["<bos>"]
+        for i, message in enumerate(turns):
+            if (message["role"] == "user") != (i % 2 == 0):
+                raise ValueError("gemma3: conversation roles must alternate user/assistant/user/assistant/...")
+            role = "model" if message["role"] == "assistant" else message["role"]
+            out.append(f"<start_of_turn>{role}\n" + (prefix if i == 0 else "") + message["content"].strip()
+                       + "<end_of_turn>\n")
+        if add_generation_prompt:
+            out.append("<start_of_turn>model\n")
+        return "".join(out)
+
+    def parse_text(self, text, finish):
+        content, calls, error = _parse_tagged_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = _message_calls(calls)
+        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
+                             message=message)
+
+
+RENDERERS: dict[str, type[Renderer]] = {
+    "qwen2": Qwen2Renderer, "qwen3": Qwen3Renderer, "llama3": Llama3Renderer, "gemma3": Gemma3Renderer}
+
+
+def make_renderer(family: str, tokenizer: Tokenizer, **options) -> Renderer:
+    """The renderer of a model family (RENDERERS), with its options (e.g. enable_thinking for qwen3)."""
+    if family not in RENDERERS:
+        raise ConfigError(f"renderer {family!r}: allowed {', '.join(RENDERERS)}")
+    try:
+        return RENDERERS[family](tokenizer, **options)
+    except TypeError as e:
+        raise ConfigError(f"renderer {family!r}: {e}") from e

@@ -1,0 +1,134 @@
+"""Trajectory: one episode's token ids as the learner is to train them, built turn by turn. Pure Python.
+
+Token-in/token-out: the sampled ids are kept as the sampler gave them (with their behaviour log-probs and the
+weight version that drew each); the renderer gives the ids around them (the opening prompt, then after each
+environment step the end-of-turn glue, the environment's messages and the next generation prompt). The
+conversation is never encoded again from text, except where the template forces it: when the renderer cannot
+extend (CannotExtend: the template renders the history differently once the environment's messages follow),
+the trajectory is cut there and a new Segment starts whose prompt is the fresh render of the whole history
+(prime-rl's approach). Earlier segments keep what the model saw when it sampled them.
+
+A Segment is one sequence to train: `tokens`, `loss_mask` 1 exactly on the sampled tokens (0 on the prompt's,
+the glue's and the environment's), `behaviour_logprobs` and `weight_versions` of the sampled tokens (0.0 and -1
+elsewhere). The sequence the engine continues is `current_ids` (the last segment).
+
+Calls, in order: Trajectory(renderer, messages, tools), then add_turn and add_step alternately, ending with
+add_turn. A turn that did not end with an end-of-turn token (finish "length": cut off, which marks the
+trajectory truncated; or "eos") ends the trajectory: add_step refuses. The engine, which enforces max_turns and
+max_total_tokens, calls mark_truncated when those stop an episode the environment had not ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from grpo_jax.envs.render import AssistantTurn, CannotExtend, Renderer
+from grpo_jax.envs.tools import Tool
+
+NO_VERSION = -1  # weight_versions of a token that was not sampled
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One sequence of a trajectory; four columns of one length (module docstring)."""
+
+    tokens: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    weight_versions: tuple[int, ...]
+
+    def __post_init__(self):
+        lengths = {len(self.tokens), len(self.loss_mask), len(self.behaviour_logprobs), len(self.weight_versions)}
+        if len(lengths) != 1:
+            raise ValueError(f"Segment: tokens, loss_mask, behaviour_logprobs, weight_versions differ in length "
+                             f"({len(self.tokens)}, {len(self.loss_mask)}, {len(self.behaviour_logprobs)}, "
+                             f"{len(self.weight_versions)})")
+
+
+class Trajectory:
+    """An episode's segments and totals (turns, tool_calls, tool_errors, truncated, cuts), built turn by turn."""
+
+    def __init__(self, renderer: Renderer, messages: Sequence[dict], tools: Sequence[Tool | dict] | None = None):
+        """messages: the opening conversation (Environment.reset's); tools: those offered to the model."""
+        self.renderer, self.tools = renderer, tools
+        self.messages: list[dict] = [dict(m) for m in messages]  # the conversation so far, as the template takes it
+        self.turns = self.tool_calls = self.tool_errors = 0
+        self.truncated = False
+        self.cuts: list[str] = []  # why each segment after the first began (CannotExtend.reason)
+        self._columns: list[tuple[list, list, list, list]] = []
+        self._next = "turn"  # what may come: "turn", "step", or "" once the trajectory ended
+        self._start_segment(renderer.initial_ids(self.messages, tools))
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(Segment(tokens=tuple(t), loss_mask=tuple(m), behaviour_logprobs=tuple(lp),
+                             weight_versions=tuple(v)) for t, m, lp, v in self._columns)
+
+    @property
+    def current_ids(self) -> list[int]:
+        """The sequence the sampler continues: the last segment's tokens."""
+        return list(self._columns[-1][0])
+
+    @property
+    def ended(self) -> bool:
+        return self._next == ""
+
+    def _start_segment(self, prompt_ids: Sequence[int]) -> None:
+        self._columns.append(([], [], [], []))
+        self._append(prompt_ids)
+
+    def _append(self, ids: Sequence[int], logprobs: Sequence[float] | None = None,
+                versions: Sequence[int] | None = None) -> None:
+        tokens, mask, column_logprobs, column_versions = self._columns[-1]
+        sampled = logprobs is not None
+        tokens.extend(int(i) for i in ids)
+        mask.extend([int(sampled)] * len(ids))
+        column_logprobs.extend([float(x) for x in logprobs] if sampled else [0.0] * len(ids))
+        column_versions.extend([int(v) for v in versions] if sampled else [NO_VERSION] * len(ids))
+
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], weight_versions: Sequence[int]) -> AssistantTurn:
+        """The sampled ids of one assistant turn (its stop id included, when sampled), each token's behaviour
+        log-prob and weight version. Returns the parsed turn, for the environment's step."""
+        if self._next != "turn":
+            raise ValueError("add_turn: " + ("the trajectory has ended" if self.ended else
+                                             "an assistant turn needs an environment step (add_step) before it"))
+        if not len(ids) or not len(ids) == len(logprobs) == len(weight_versions):
+            raise ValueError(f"add_turn: ids, logprobs, weight_versions must have one entry per sampled token, and "
+                             f"a turn at least one ({len(ids)}, {len(logprobs)}, {len(weight_versions)})")
+        if not all(math.isfinite(float(x)) and float(x) <= 0 for x in logprobs):
+            raise ValueError("add_turn: every log-prob must be finite and <= 0")
+        if any(int(v) < 0 for v in weight_versions):
+            raise ValueError("add_turn: weight versions are >= 0")
+        turn = self.renderer.parse(ids)
+        self._append(ids, logprobs, weight_versions)
+        self.messages.append(turn.message)
+        self.turns += 1
+        self.tool_calls += len(turn.tool_calls)
+        self.truncated = self.truncated or turn.finish == "length"
+        self._next = "step" if turn.finish == "stop" else ""
+        return turn
+
+    def add_step(self, messages: Sequence[dict], *, tool_errors: int = 0) -> bool:
+        """The environment's messages after the last turn (StepResult.messages and .tool_errors): their ids
+        follow the turn, or, where the renderer cannot extend, a new segment starts. True when it did."""
+        if self._next != "step":
+            raise ValueError("add_step: " + ("the trajectory has ended (its last turn did not end with an "
+                                             "end-of-turn token, or it was marked truncated)" if self.ended else
+                                             "an environment step answers an assistant turn (add_turn) first"))
+        ids = self.renderer.append_ids(self.messages, messages, self.tools)
+        self.messages.extend(dict(m) for m in messages)
+        self.tool_errors += tool_errors
+        self._next = "turn"
+        if isinstance(ids, CannotExtend):
+            self.cuts.append(ids.reason)
+            self._start_segment(self.renderer.initial_ids(self.messages, self.tools))
+            return True
+        self._append(ids)
+        return False
+
+    def mark_truncated(self) -> None:
+        """The episode was stopped before the environment ended it (max_turns, max_total_tokens)."""
+        self.truncated = True
+        self._next = ""
