@@ -22,6 +22,8 @@ from grpo_jax.planning.fit import (
     SliceShape,
     enumerate_layouts,
     estimate,
+    fit,
+    own_layout,
     parameter_count,
     pinned_keys,
     search_order,
@@ -115,6 +117,22 @@ def test_the_shipped_layout_is_in_the_search_space():
     # The micro-batches searched: the mini-batch of 128 halved down to one row per learner batch split.
     assert {x.micro_batch_size for x in layouts if x.learner == (1, 4, 1)} == {128, 64, 32, 16, 8, 4}
     assert {x.slots for x in layouts} == {512, 256, 128}
+
+
+def test_the_configs_own_layout_is_compiled_first(monkeypatch):
+    """--fit compiles the config's own layout before the estimate's picks, so that its ranking says whether any
+    layout searched beats the one shipped. (Compiling is stubbed: only the order is checked here.)"""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not compiled in this test")
+
+    monkeypatch.setattr("grpo_jax.planning.fit.compile_run", refuse)
+    lines = []
+    search = fit(GSM8K, [f"model_path={SHAPES / 'Qwen2.5-1.5B-Instruct'}"], "v5e:2x4", limit=2, isolate=False,
+                 progress=lines.append)
+    shipped = Layout(4, (1, 1, 4), (1, 4, 1), 64, 512, True)
+    assert own_layout(load_config(Config, GSM8K), 1) == shipped
+    assert [a.layout for a in search.attempts][0] == shipped and search.attempts[1].layout != shipped
+    assert "the config's own first" in lines[0]
 
 
 def test_settings_given_on_the_command_line_are_held():

@@ -280,6 +280,20 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     return Estimate(learner_bytes, actor_bytes, seconds, fits)
 
 
+def own_layout(config: Config, hosts: int) -> Layout:
+    """The layout the config itself names (its mesh, micro-batch, slots and remat), in the search's terms."""
+    grpo, optim, mesh = config.grpo, config.optim, config.mesh
+    slots = 0
+    if config.sampler.engine == "continuous":
+        slots = config.sampler.slots or grpo.prompts_per_step // hosts * grpo.group_size
+    micro = optim.micro_batch_size or grpo.prompts_per_step * grpo.group_size // optim.mini_batches
+
+    def axes(m) -> tuple[int, int, int]:
+        return m.data, m.fsdp, m.tensor
+
+    return Layout(mesh.actor_devices, axes(mesh.actor), axes(mesh.learner), micro, slots, config.model.remat)
+
+
 def search_order(layouts: list[Layout], estimates: list[Estimate]) -> list[tuple[Layout, Estimate]]:
     """The layouts estimated to fit first, fastest first; then the others, smallest first. Within each group the
     device layouts (the split and both meshes) take turns, each with its own layouts in that order: a small
@@ -367,8 +381,14 @@ def fit(config_path: str, overrides: list[str], topology_name: str, chips_per_ho
     param_count = parameter_count(model)
     layouts = enumerate_layouts(config, model, shape.hosts, shape.devices_per_host, pinned_keys(overrides))
     order = search_order(layouts, [estimate(config, model, param_count, x, shape) for x in layouts])
-    progress(f"{len(layouts)} layouts can be laid out on {topology_name}; compiling up to {limit}: those estimated "
-             "to fit first, fastest first, the device layouts taking turns")
+    # The config's own layout first, when it is in the search space: the ranking then says whether any layout
+    # searched beats it.
+    own = own_layout(config, shape.hosts)
+    first = [pair for pair in order if pair[0] == own]
+    order = first + [pair for pair in order if pair[0] != own]
+    progress(f"{len(layouts)} layouts can be laid out on {topology_name}; compiling up to {limit}: "
+             + ("the config's own first, then " if first else "") +
+             "those estimated to fit first, fastest first, the device layouts taking turns")
     attempts = []
     planned = min(limit, len(order))
     for layout, guess in order:
