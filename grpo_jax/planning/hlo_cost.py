@@ -71,7 +71,7 @@ class Instruction:
         """Computations this instruction runs: calls=, body=, condition=, branch_computations={...}, ..."""
         names = []
         for key in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation",
-                    "branch_computations", "async_execution_thread"):
+                    "branch_computations"):
             value = self.attribute(key)
             names += _NAME.findall(value)
         return tuple(names)
@@ -159,19 +159,18 @@ def shape_dims(shape: str) -> tuple[int, ...]:
 
 def parse_module(text: str) -> tuple[dict[str, Computation], str]:
     """The module's computations by name, and the entry computation's name."""
-    computations, entry, current = {}, "", None
+    computations, entry, current, instructions = {}, "", None, []
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header:
-            current = Computation(header.group(2), [])
+            current, instructions = header.group(2), []
             if header.group(1):
-                entry = current.name
+                entry = current
             continue
         if current is None:
             continue
         if line.strip() == "}":
-            current.__post_init__()
-            computations[current.name] = current
+            computations[current] = Computation(current, instructions)
             current = None
             continue
         found = _INSTRUCTION.match(line)
@@ -184,8 +183,8 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
                 if depth == 0:
                     end = k
                     break
-            current.instructions.append(Instruction(name, shape, opcode, tuple(_NAME.findall(rest[:end])),
-                                                    rest[:end], rest[end + 1:], line.lstrip().startswith("ROOT")))
+            instructions.append(Instruction(name, shape, opcode, tuple(_NAME.findall(rest[:end])), rest[:end],
+                                            rest[end + 1:], line.lstrip().startswith("ROOT")))
     return computations, entry
 
 
