@@ -303,12 +303,17 @@ class Qwen2Renderer(Renderer):
         return "".join(out)
 
     def parse_text(self, text, finish):
-        content, calls, error = _parse_tagged_calls(text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = _message_calls(calls)
-        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
-                             message=message)
+        return _tagged_turn(text, finish)
+
+
+def _tagged_turn(text: str, finish: str) -> AssistantTurn:
+    """An assistant turn whose calls are <tool_call> blocks (Qwen's format; Gemma 3's here)."""
+    content, calls, error = _parse_tagged_calls(text)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = _message_calls(calls)
+    return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
+                         message=message)
 
 
 def _qwen_tool_response(messages: Sequence[dict], i: int) -> str:
@@ -523,12 +528,7 @@ class Gemma3Renderer(Renderer):
         return "".join(out)
 
     def parse_text(self, text, finish):
-        content, calls, error = _parse_tagged_calls(text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = _message_calls(calls)
-        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
-                             message=message)
+        return _tagged_turn(text, finish)
 
 
 RENDERERS: dict[str, type[Renderer]] = {
