@@ -81,14 +81,16 @@ def test_env_config_problems_name_the_key_the_value_and_the_fix(user_module):
     problems = EnvConfig(name="", max_turns=0, max_total_tokens=True, concurrency=-1, step_timeout_s=float("nan"),
                          kwargs=[1]).validate()
     assert problems == [
-        "name='': name the environment's factory by import path 'package.module:factory'",
+        "name='': name a built-in environment (gsm8k_python, countdown_multiturn) or a factory of your own by "
+        "import path 'package.module:factory'",
         "kwargs=[1]: a mapping of the factory's keyword arguments",
         "max_turns=0: must be an integer >= 1 (assistant turns per episode)",
         "max_total_tokens=True: must be an integer >= 1 (tokens one sequence may hold)",
         "concurrency=-1: must be an integer >= 1 (episodes at once)",
         "step_timeout_s=nan: must be a number of seconds > 0"]
     assert EnvConfig(name="calculator").validate() == [
-        "name='calculator': expected an import path 'package.module:factory'"]
+        "name='calculator': allowed countdown_multiturn, gsm8k_python, or a factory of your own by import path "
+        "'package.module:factory'"]
     assert EnvConfig(name="nowhere_at_all:make").validate() == [
         "name='nowhere_at_all:make': no module named nowhere_at_all (put the directory that holds it on PYTHONPATH, "
         "or install it)"]
@@ -249,5 +251,5 @@ def test_the_calculator_example_of_the_docs_runs_as_written(tmp_path, monkeypatc
 
 def test_the_envs_package_imports_no_jax():
     code = ("import sys; import grpo_jax.envs.environment, grpo_jax.envs.trajectory, grpo_jax.envs.render, "
-            "grpo_jax.envs.tools; sys.exit('jax' in sys.modules)")
+            "grpo_jax.envs.tools, grpo_jax.envs.gsm8k, grpo_jax.envs.synthetic; sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent).returncode == 0

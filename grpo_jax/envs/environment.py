@@ -26,18 +26,20 @@ calls. A call that could not be parsed, names no tool, or fails (ToolError) is a
 result and counted in StepResult.tool_errors; the episode goes on. Override `step` for anything else (a
 simulated user, a game); `reset` and `reward` are always yours.
 
-Config: EnvConfig names the factory by import path ("package.module:factory", loaded as reward factories are:
-grpo_jax.algorithm.rewards.import_factory), called with `kwargs`; an Environment subclass is such a factory
-itself. `grpo-jax train` accepts no env section yet: EnvConfig is validated standalone
-(config_io.build_config(EnvConfig, values)).
+Config: EnvConfig names the factory by a short name registered in ENVIRONMENTS (the built-ins: gsm8k_python,
+grpo_jax.envs.gsm8k; countdown_multiturn, grpo_jax.envs.synthetic; or one of your own, register_environment), or
+by import path ("package.module:factory", loaded as reward factories are: grpo_jax.algorithm.rewards.import_factory),
+called with `kwargs`; an Environment subclass is such a factory itself. `grpo-jax train` accepts no env section
+yet: EnvConfig is validated standalone (config_io.build_config(EnvConfig, values)).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from grpo_jax.algorithm.rewards import RewardNameError, import_factory
 from grpo_jax.envs.render import ENVIRONMENT_ROLES, AssistantTurn, check_messages
@@ -120,11 +122,44 @@ class Environment(abc.ABC):
         """Release what the episode holds (called after every episode, also one that failed or timed out)."""
 
 
+# Environment factories by short name. The built-ins register themselves when their module is imported; those
+# modules import this one, so they are imported on the first lookup of a short name, not here.
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+BUILTIN_ENVIRONMENT_MODULES = ("grpo_jax.envs.gsm8k", "grpo_jax.envs.synthetic")
+
+
+def register_environment(name: str):
+    """Decorator adding a factory `(**kwargs) -> Environment` to ENVIRONMENTS under `name`, which an EnvConfig
+    then names. A later factory of the same name replaces the earlier (a notebook cell run again)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_environment({name!r}): a short name without ':' (a name with one is an import "
+                         "path), e.g. 'my_game'")
+
+    def deco(factory):
+        ENVIRONMENTS[name] = factory
+        return factory
+
+    return deco
+
+
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """The factory `name` names: registered in ENVIRONMENTS, or by import path "package.module:factory". A name
+    that does not resolve raises RewardNameError (its `reason` names the fix), as reward names do."""
+    if ":" in name:
+        return import_factory(name)
+    for module in BUILTIN_ENVIRONMENT_MODULES:
+        importlib.import_module(module)
+    if name not in ENVIRONMENTS:
+        raise RewardNameError(name, f"allowed {', '.join(sorted(ENVIRONMENTS))}, or a factory of your own by import "
+                                    "path 'package.module:factory'")
+    return ENVIRONMENTS[name]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     """The environment a run's episodes use, and the limits on an episode (module docstring)."""
 
-    name: str = ""  # the factory by import path, "package.module:factory"
+    name: str = ""  # the factory: a short name in ENVIRONMENTS ("gsm8k_python"), or "package.module:factory"
     kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the factory
     max_turns: int = 8  # assistant turns per episode; an episode still going then is truncated
     # the most tokens one sequence may hold (prompt, sampled and environment tokens); an episode that would
@@ -136,10 +171,11 @@ class EnvConfig:
     def validate(self) -> list[str]:
         problems = []
         if not self.name:
-            problems.append("name='': name the environment's factory by import path 'package.module:factory'")
+            problems.append("name='': name a built-in environment (gsm8k_python, countdown_multiturn) or a factory "
+                            "of your own by import path 'package.module:factory'")
         else:
             try:
-                import_factory(self.name)
+                environment_factory(self.name)
             except RewardNameError as e:
                 problems.append(f"name={self.name!r}: {e.reason}")
         if not isinstance(self.kwargs, dict):
@@ -160,7 +196,7 @@ def make_environment(config: EnvConfig) -> Environment:
     problems = config.validate()
     if problems:
         raise ConfigError("invalid config: " + "; ".join(f"env.{p}" for p in problems))
-    factory = import_factory(config.name)
+    factory = environment_factory(config.name)
     shape = "the name must be a factory f(**kwargs) returning a new grpo_jax.envs.environment.Environment"
     try:
         env = factory(**config.kwargs)

@@ -1,0 +1,134 @@
+"""The built-in environment `countdown_multiturn`: a synthetic multi-turn task that needs the tool's answers.
+
+A row names a key and a number of lookups (make_countdown_dataset). The environment holds a hidden chain for the
+episode, drawn from the seed and the row's key: each lookup of a key on the chain answers with the next key and
+how many lookups are left, counting down, and the last one answers with the code:
+
+    user:  key 52, 2 lookups
+    call:  lookup(key="52")   ->  "next 17, 1 left"
+    call:  lookup(key="17")   ->  "code 4711"
+    final: 4711
+
+The code depends on the seed, which the model never sees, so a policy that answers without calling the tool
+scores about 10^-code_digits; a policy that copies keys from one answer into the next call solves it. The text
+is digits and a few words, short enough for a tiny byte-level model. A lookup of a key that is not on the chain
+is a tool error (the model reads which keys it may look up), as is a malformed call; the episode goes on. The
+first turn without tool calls is the final answer and ends the episode (the default step).
+
+`reward()`: named parts {"correct", "lookups"}. correct is 1.0 when the final answer's last run of digits is the
+code, else 0.0; lookups is lookup_credit times the fraction of the chain's keys the model looked up (partial
+credit for the calls, whatever the answer). A perfect episode scores 1 + lookup_credit in all.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from grpo_jax.envs.environment import Environment, StepResult, register_environment
+from grpo_jax.envs.render import AssistantTurn
+from grpo_jax.envs.tools import Tool, ToolError
+
+SYSTEM_PROMPT = "Look up the key, then each next key; answer with the code alone."
+_DIGITS = re.compile(r"\d+")
+
+
+def _random_digits(rng: np.random.Generator, n: int) -> str:
+    return "".join(str(d) for d in rng.integers(0, 10, size=n))
+
+
+def countdown_prompt(key: str, lookups: int) -> str:
+    return f"key {key}, {lookups} lookup{'' if lookups == 1 else 's'}"
+
+
+def make_countdown_dataset(n: int, seed: int, min_lookups: int = 1, max_lookups: int = 3,
+                           key_digits: int = 2) -> list[dict]:
+    """`n` rows {"prompt", "key", "lookups"}, identical for the same arguments; each row's number of lookups is
+    drawn uniformly from [min_lookups, max_lookups]. Use different seeds for the train and eval splits."""
+    if n < 0:
+        raise ValueError(f"n={n}: must be >= 0")
+    if not 1 <= min_lookups <= max_lookups:
+        raise ValueError(f"min_lookups={min_lookups}, max_lookups={max_lookups}: need 1 <= min_lookups <= "
+                         "max_lookups")
+    if not 1 <= key_digits <= 6:
+        raise ValueError(f"key_digits={key_digits}: must be 1 to 6 (short keys keep the text short)")
+    if max_lookups > 10**key_digits:
+        raise ValueError(f"max_lookups={max_lookups}, key_digits={key_digits}: a chain's keys differ, so at most "
+                         f"{10**key_digits} lookups; raise key_digits or lower max_lookups")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        key, lookups = _random_digits(rng, key_digits), int(rng.integers(min_lookups, max_lookups + 1))
+        rows.append({"prompt": countdown_prompt(key, lookups), "key": key, "lookups": lookups})
+    return rows
+
+
+@register_environment("countdown_multiturn")
+class CountdownMultiturnEnv(Environment):
+    """A chain of lookups whose last answer is the code to answer with (module docstring)."""
+
+    def __init__(self, *, code_digits: int = 4, lookup_credit: float = 0.1, system_prompt: str = SYSTEM_PROMPT):
+        if not (isinstance(code_digits, int) and not isinstance(code_digits, bool) and 1 <= code_digits <= 12):
+            raise ValueError(f"countdown_multiturn: code_digits={code_digits!r}: an integer from 1 to 12 (the "
+                             "code's length; 4 makes a guess right once in 10000)")
+        if not (isinstance(lookup_credit, (int, float)) and not isinstance(lookup_credit, bool)
+                and 0 <= lookup_credit <= 1):
+            raise ValueError(f"countdown_multiturn: lookup_credit={lookup_credit!r}: a number from 0 to 1 (the "
+                             "reward for looking up the whole chain; 0 for none)")
+        if not isinstance(system_prompt, str):
+            raise ValueError(f"countdown_multiturn: system_prompt={system_prompt!r}: a str ('' for no system "
+                             "message)")
+        self.code_digits, self.lookup_credit, self.system_prompt = code_digits, float(lookup_credit), system_prompt
+        self.tools = [Tool.from_function(self.lookup)]
+        self.answers: dict[str, str] = {}  # each key on the chain -> what its lookup returns
+        self.code: str | None = None
+        self.looked_up: set[str] = set()  # keys on the chain the model looked up
+        self.final_answer: str | None = None  # the content of the turn without tool calls, once there is one
+
+    def lookup(self, key: str) -> str:
+        """Look up a key: the next key and how many lookups are left, or the code.
+
+        Args:
+            key: The key from the question, or the next key the last lookup returned.
+        """
+        if key not in self.answers:
+            # the first key only: naming the others would give the chain away
+            raise ToolError(f"no key {key!r}; look up the key in the question, then each next key")
+        self.looked_up.add(key)
+        return self.answers[key]
+
+    async def reset(self, row: dict, seed: int) -> list[dict]:
+        key, lookups = row.get("key"), row.get("lookups")
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise ValueError(f"countdown_multiturn: row['key']={key!r}: a string of digits (make_countdown_dataset's "
+                             "rows)")
+        if not (isinstance(lookups, int) and not isinstance(lookups, bool) and lookups >= 1):
+            raise ValueError(f"countdown_multiturn: row['lookups']={lookups!r}: an integer >= 1")
+        if lookups > 10 ** len(key):
+            raise ValueError(f"countdown_multiturn: row['lookups']={lookups!r}: at most {10 ** len(key)} for the "
+                             f"{len(key)}-digit key {key!r} (a chain's keys differ); use longer keys")
+        # From the seed and the key, so that the same (row, seed) is the same episode, and two rows that share a
+        # seed do not share a chain.
+        rng = np.random.default_rng([seed, int(key)])
+        chain = [key]
+        while len(chain) < lookups:
+            next_key = _random_digits(rng, len(key))
+            if next_key not in chain:  # a key twice would make the chain a loop
+                chain.append(next_key)
+        self.code = _random_digits(rng, self.code_digits)
+        self.answers = {k: f"next {n}, {lookups - i - 1} left" for i, (k, n) in enumerate(zip(chain, chain[1:]))}
+        self.answers[chain[-1]] = f"code {self.code}"
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": countdown_prompt(key, lookups)}]
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        result = await super().step(turn)
+        if result.done:
+            self.final_answer = turn.content
+        return result
+
+    async def reward(self) -> dict[str, float]:
+        numbers = _DIGITS.findall(self.final_answer or "")
+        correct = bool(numbers) and numbers[-1] == self.code
+        return {"correct": float(correct), "lookups": self.lookup_credit * (len(self.looked_up) / len(self.answers))}
