@@ -130,7 +130,8 @@ def test_the_configs_own_layout_is_compiled_first(monkeypatch):
     search = fit(GSM8K, [f"model_path={SHAPES / 'Qwen2.5-1.5B-Instruct'}"], "v5e:2x4", limit=2, isolate=False,
                  progress=lines.append)
     shipped = Layout(4, (1, 1, 4), (1, 4, 1), 64, 512, True)
-    assert own_layout(load_config(Config, GSM8K), 1) == shipped
+    config = load_config(Config, GSM8K, [f"model_path={SHAPES / 'Qwen2.5-1.5B-Instruct'}"])
+    assert own_layout(RunPlan.build(config, tpu_topology("v5e:2x4").devices, process_word="host")) == shipped
     assert [a.layout for a in search.attempts][0] == shipped and search.attempts[1].layout != shipped
     assert "the config's own first" in lines[0]
 

@@ -280,13 +280,12 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     return Estimate(learner_bytes, actor_bytes, seconds, fits)
 
 
-def own_layout(config: Config, hosts: int) -> Layout:
-    """The layout the config itself names (its mesh, micro-batch, slots and remat), in the search's terms."""
-    grpo, optim, mesh = config.grpo, config.optim, config.mesh
-    slots = 0
-    if config.sampler.engine == "continuous":
-        slots = config.sampler.slots or grpo.prompts_per_step // hosts * grpo.group_size
-    micro = optim.micro_batch_size or grpo.prompts_per_step * grpo.group_size // optim.mini_batches
+def own_layout(plan: RunPlan) -> Layout:
+    """The layout the config itself names (its mesh, micro-batch, slots and remat), in the search's terms, as the
+    run description resolves the config's defaults (micro-batch 0: the mini-batch; slots 0: a host's samples)."""
+    config, mesh = plan.config, plan.config.mesh
+    slots = plan.engine_slots if config.sampler.engine == "continuous" else 0
+    micro = plan.micro_rows or plan.rows // config.optim.mini_batches
 
     def axes(m) -> tuple[int, int, int]:
         return m.data, m.fsdp, m.tensor
@@ -383,7 +382,10 @@ def fit(config_path: str, overrides: list[str], topology_name: str, chips_per_ho
     order = search_order(layouts, [estimate(config, model, param_count, x, shape) for x in layouts])
     # The config's own layout first, when it is in the search space: the ranking then says whether any layout
     # searched beats it.
-    own = own_layout(config, shape.hosts)
+    try:
+        own = own_layout(RunPlan.build(config, topology.devices, process_word="host"))
+    except UserError:  # the config's own layout cannot be laid out here: the search alone
+        own = None
     first = [pair for pair in order if pair[0] == own]
     order = first + [pair for pair in order if pair[0] != own]
     progress(f"{len(layouts)} layouts can be laid out on {topology_name}; compiling up to {limit}: "
