@@ -321,6 +321,7 @@ class _Walker:
         self.computations, self.entry = parse_module(text)
         self.result = Breakdown()
         self._fusion_flops: dict[str, float] = {}
+        self._fusion_opcodes: dict[str, frozenset[str]] = {}
 
     def walk(self) -> Breakdown:
         self._computation(self.entry, 1.0)
@@ -439,11 +440,20 @@ class _Walker:
         return self._fusion_flops[name]
 
     def _fusion_has(self, name: str, opcodes: tuple[str, ...]) -> bool:
-        computation = self.computations.get(name)
-        if computation is None:
-            return False
-        return any(i.opcode in opcodes or (i.opcode == "fusion" and self._fusion_has(
-            i.attribute("calls").lstrip("%"), opcodes)) for i in computation.instructions)
+        return not self._opcodes_inside(name).isdisjoint(opcodes)
+
+    def _opcodes_inside(self, name: str) -> frozenset[str]:
+        """The opcodes of a fused computation, nested fusions included (once per computation: a loop body's
+        fusions are met again on every walk of it)."""
+        if name not in self._fusion_opcodes:
+            computation = self.computations.get(name)
+            found = set()
+            for i in computation.instructions if computation is not None else ():
+                found.add(i.opcode)
+                if i.opcode == "fusion":
+                    found |= self._opcodes_inside(i.attribute("calls").lstrip("%"))
+            self._fusion_opcodes[name] = frozenset(found)
+        return self._fusion_opcodes[name]
 
     def _kind(self, instruction: Instruction) -> str:
         op = instruction.opcode.removesuffix("-start")
