@@ -42,7 +42,6 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "iota", "opt-barrier", "add-dependency", "domain"}
 
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
@@ -153,7 +152,7 @@ def shape_bytes(shape: str) -> float:
 
 
 def shape_dims(shape: str) -> tuple[int, ...]:
-    found = _SHAPE.search(shape)
+    found = _ARRAY.search(shape)
     return tuple(int(d) for d in found.group(2).split(",") if d) if found else ()
 
 
