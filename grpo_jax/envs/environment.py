@@ -43,12 +43,8 @@ from collections.abc import Callable, Sequence
 
 from grpo_jax.algorithm.rewards import RewardNameError, import_factory
 from grpo_jax.envs.render import ENVIRONMENT_ROLES, AssistantTurn, check_messages
-from grpo_jax.envs.tools import Tool, ToolError
+from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 from grpo_jax.errors import ConfigError
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,21 +61,21 @@ class StepResult:
 
     def __post_init__(self):
         check_messages(self.messages, "StepResult.messages", ENVIRONMENT_ROLES)
-        if self.reward is not None and not _is_number(self.reward):
+        if self.reward is not None and not is_number(self.reward):
             raise ValueError(f"StepResult.reward={self.reward!r}: a number, or None for no reward at this step")
         if not isinstance(self.done, bool):
             raise ValueError(f"StepResult.done={self.done!r}: True or False")
         if not isinstance(self.info, dict):
             raise ValueError(f"StepResult.info={self.info!r}: a dict")
-        if not (isinstance(self.tool_errors, int) and not isinstance(self.tool_errors, bool) and self.tool_errors >= 0):
+        if not (is_int(self.tool_errors) and self.tool_errors >= 0):
             raise ValueError(f"StepResult.tool_errors={self.tool_errors!r}: an integer >= 0")
 
 
 def reward_parts(value, where: str = "reward()") -> dict[str, float]:
     """An episode's reward as named parts: a number is {"reward": value}; a dict must map names to numbers."""
-    if _is_number(value):
+    if is_number(value):
         return {"reward": float(value)}
-    if isinstance(value, dict) and value and all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
+    if isinstance(value, dict) and value and all(isinstance(k, str) and is_number(v) for k, v in value.items()):
         return {k: float(v) for k, v in value.items()}
     raise ValueError(f"{where} returned {value!r}: a number, or a non-empty dict of named numbers "
                      "({'correct': 1.0, 'format': 0.5})")
@@ -184,9 +180,9 @@ class EnvConfig:
                              ("max_total_tokens", "tokens one sequence may hold"),
                              ("concurrency", "episodes at once")):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 problems.append(f"{key}={value!r}: must be an integer >= 1 ({meaning})")
-        if not (_is_number(self.step_timeout_s) and 0 < self.step_timeout_s < math.inf):
+        if not (is_number(self.step_timeout_s) and 0 < self.step_timeout_s < math.inf):
             problems.append(f"step_timeout_s={self.step_timeout_s!r}: must be a number of seconds > 0")
         return problems
 

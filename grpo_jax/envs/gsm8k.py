@@ -22,17 +22,13 @@ from grpo_jax import sandbox
 from grpo_jax.algorithm.rewards import extract_final_answer, numbers_match, parse_reference
 from grpo_jax.envs.environment import Environment, StepResult, register_environment
 from grpo_jax.envs.render import AssistantTurn
-from grpo_jax.envs.tools import Tool, ToolError
+from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 
 SYSTEM_PROMPT = ("Solve the math problem. You may run Python with the python tool: it returns what the program "
                  "prints. When you know the answer, reply without a tool call and end with '#### <number>'.")
 # A program's output goes into the conversation: more than this is a failure the model reads, not context spent.
 MAX_OUTPUT_BYTES = 4096
 STDERR_TAIL_CHARS = 600  # of a failed program's stderr, the end: where a traceback names the error
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @register_environment("gsm8k_python")
@@ -42,13 +38,13 @@ class Gsm8kPythonEnv(Environment):
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512, tool_error_penalty: float = 0.0,
                  last_number_fallback: bool = True, system_prompt: str = SYSTEM_PROMPT):
         # Checked here rather than by the Sandbox, which is made at the first call: a bad kwarg fails the config.
-        if not (_is_number(timeout_s) and 0 < timeout_s < float("inf")):
+        if not (is_number(timeout_s) and 0 < timeout_s < float("inf")):
             raise ValueError(f"gsm8k_python: timeout_s={timeout_s!r}: must be a number of seconds > 0 (how long one "
                              "program may run)")
-        if not (isinstance(memory_mb, int) and not isinstance(memory_mb, bool) and memory_mb >= sandbox.MIN_MEMORY_MB):
+        if not (is_int(memory_mb) and memory_mb >= sandbox.MIN_MEMORY_MB):
             raise ValueError(f"gsm8k_python: memory_mb={memory_mb!r}: must be an integer >= {sandbox.MIN_MEMORY_MB} "
                              "(MB of address space per program)")
-        if not (_is_number(tool_error_penalty) and 0 <= tool_error_penalty < float("inf")):
+        if not (is_number(tool_error_penalty) and 0 <= tool_error_penalty < float("inf")):
             raise ValueError(f"gsm8k_python: tool_error_penalty={tool_error_penalty!r}: must be a number >= 0 (the "
                              "reward taken off per failed tool call; 0 for none)")
         if not isinstance(last_number_fallback, bool):

@@ -28,7 +28,7 @@ import numpy as np
 
 from grpo_jax.envs.environment import Environment, StepResult, register_environment
 from grpo_jax.envs.render import AssistantTurn
-from grpo_jax.envs.tools import Tool, ToolError
+from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 
 SYSTEM_PROMPT = "Look up the key, then each next key; answer with the code alone."
 _DIGITS = re.compile(r"\d+")
@@ -69,11 +69,10 @@ class CountdownMultiturnEnv(Environment):
     """A chain of lookups whose last answer is the code to answer with (module docstring)."""
 
     def __init__(self, *, code_digits: int = 4, lookup_credit: float = 0.1, system_prompt: str = SYSTEM_PROMPT):
-        if not (isinstance(code_digits, int) and not isinstance(code_digits, bool) and 1 <= code_digits <= 12):
+        if not (is_int(code_digits) and 1 <= code_digits <= 12):
             raise ValueError(f"countdown_multiturn: code_digits={code_digits!r}: an integer from 1 to 12 (the "
                              "code's length; 4 makes a guess right once in 10000)")
-        if not (isinstance(lookup_credit, (int, float)) and not isinstance(lookup_credit, bool)
-                and 0 <= lookup_credit <= 1):
+        if not (is_number(lookup_credit) and 0 <= lookup_credit <= 1):
             raise ValueError(f"countdown_multiturn: lookup_credit={lookup_credit!r}: a number from 0 to 1 (the "
                              "reward for looking up the whole chain; 0 for none)")
         if not isinstance(system_prompt, str):
@@ -103,7 +102,7 @@ class CountdownMultiturnEnv(Environment):
         if not (isinstance(key, str) and key.isdigit() and key.isascii()):
             raise ValueError(f"countdown_multiturn: row['key']={key!r}: a string of digits (make_countdown_dataset's "
                              "rows)")
-        if not (isinstance(lookups, int) and not isinstance(lookups, bool) and lookups >= 1):
+        if not (is_int(lookups) and lookups >= 1):
             raise ValueError(f"countdown_multiturn: row['lookups']={lookups!r}: an integer >= 1")
         if lookups > 10 ** len(key):
             raise ValueError(f"countdown_multiturn: row['lookups']={lookups!r}: at most {10 ** len(key)} for the "

@@ -55,17 +55,22 @@ class ToolCall:
     arguments: dict
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int, not a bool (which Python counts as one): tool arguments and the environments' kwargs."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _scalar_check(tp: type) -> Callable[[Any], bool]:
     if tp is bool:
         return lambda v: isinstance(v, bool)
     if tp is int:
-        return _is_int
+        return is_int
     if tp is float:  # JSON has one number type: 3 is a fine float
-        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+        return is_number
     return lambda v: isinstance(v, str)
 
 
