@@ -18,6 +18,7 @@ from typing import Any
 
 from grpo_jax.algorithm.rewards import register_function
 from grpo_jax.config_io import ConfigError, build_config, config_to_dict, read_config_file
+from grpo_jax.envs.environment import register_environment
 from grpo_jax.parallel.distributed import initialize
 from grpo_jax.run.config import Config
 from grpo_jax.run.trainer import Trainer
@@ -47,10 +48,30 @@ def _config_reward(spec: Any, key: str, names: dict) -> Any:
     return {**spec, "name": name}
 
 
+def _config_env(env: Any, values: dict) -> dict:
+    """The env section with train()'s `env`: a factory (an Environment subclass, or a function returning a new
+    Environment) is registered under its own name (envs.environment.register_environment) and named by it; the
+    config's other env keys (limits, kwargs) stay. With an env, the rewards default to none."""
+    if not callable(env):
+        raise ConfigError(f"env={env!r}: expected a factory: an Environment subclass, or a function returning a new "
+                          "Environment (name one by import path in the config's env.name instead)")
+    name = getattr(env, "__name__", "")
+    if not name.isidentifier():
+        raise ConfigError(f"env={env!r}: the factory needs a name of its own (def or class, not a lambda or a "
+                          "partial); bind arguments with the config's env.kwargs")
+    register_environment(name)(env)
+    section = dict(values.get("env") or {})
+    section["name"] = name
+    values = {**values, "env": section}
+    values.setdefault("rewards", [])
+    return values
+
+
 def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | None = None,
-                   overrides: list[str] = ()) -> Config:
+                   overrides: list[str] = (), env: Any = None) -> Config:
     """The checked Config for train(): `config` (a Config, the path of a YAML file, or a mapping shaped like
-    one), its rewards replaced by `rewards` when given, then the dotted `overrides` applied."""
+    one), its rewards replaced by `rewards` and its environment by `env` when given, then the dotted `overrides`
+    applied."""
     if isinstance(config, Config):
         values = config_to_dict(config)
     elif isinstance(config, dict):
@@ -68,11 +89,13 @@ def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | No
             raise ConfigError(f"rewards={rewards!r}: expected a list, e.g. [(my_reward, 1.0)]")
         names: dict = {}
         values["rewards"] = [_config_reward(spec, f"rewards[{i}]", names) for i, spec in enumerate(rewards)]
+    if env is not None:
+        values = _config_env(env, values)
     return build_config(Config, values, overrides)
 
 
 def train(config: Config | str | os.PathLike | dict, rewards: list | None = None, overrides: list[str] = (),
-          run_dir: str | pathlib.Path | None = None) -> list[dict]:
+          run_dir: str | pathlib.Path | None = None, env: Any = None) -> list[dict]:
     """Train as `grpo-jax train CONFIG [overrides] --run-dir RUN_DIR` does, and return the metrics history:
     one dict per learner step of this call (the learner-step lines it appended to RUN_DIR/metrics.jsonl; the
     evaluation lines there, "kind": "eval", are not in it: read_metrics(run_dir, kind="eval") has them).
@@ -84,12 +107,16 @@ def train(config: Config | str | os.PathLike | dict, rewards: list | None = None
     {"name": function, "weight", "label", "samples_per_call"}, or any config form (("gsm8k", 1.0),
     {"name": "my_package.rewards:exact_match", "kwargs": {...}}). A function is called exactly as the
     built-in rewards are, on the same threads, deadline and failure handling (grpo_jax.algorithm.rewards).
+    env, when given, is the multi-turn environment the run's episodes use (grpo_jax.envs): an Environment
+    subclass or a function returning a new Environment, called with the config's env.kwargs for every episode;
+    the config's env section (or its defaults) gives the limits, and rewards default to none (the environment's
+    reward() scores each episode).
 
     Errors a user can fix raise grpo_jax.errors.UserError (one line, as the CLI prints them). Called from the
     main thread, a SIGINT (a notebook's interrupt) or SIGTERM stops the run after the current step, saves a
     checkpoint and returns the steps trained; a second one exits the process (the kernel) at once.
     """
-    config = resolve_config(config, rewards, overrides)
+    config = resolve_config(config, rewards, overrides, env)
     initialize(config.distributed)
     trainer = Trainer(config, run_dir)
     history = trainer.train()

@@ -102,7 +102,7 @@ class DataConfig:
     tfds_name: str = ""
     tfds_data_dir: str = ""
     prompt_field: str = "question"
-    answer_field: str = "answer"
+    answer_field: str = "answer"  # "": none (the rows of an environment, or rewards that need no answer)
     prompt_format: Literal["plain", "chat"] = "plain"
     # A Python format string over the record's fields, e.g. "Question: {question}\nAnswer:". Empty: the
     # prompt_field as is. With chat it builds the user message.
@@ -149,8 +149,6 @@ class DataConfig:
                                 "answer, task (set prompt_field=prompt)")
         if not self.prompt_field:
             problems.append("prompt_field='': must name the record field holding the prompt")
-        if not self.answer_field:
-            problems.append("answer_field='': must name the record field holding the answer")
         if self.prompt_format not in PROMPT_FORMATS:
             problems.append(f"prompt_format={self.prompt_format!r}: allowed {', '.join(PROMPT_FORMATS)}")
         if self.system_prompt and self.prompt_format != "chat":
@@ -511,7 +509,8 @@ def _check_fields(config: DataConfig, source) -> None:
             break
     else:
         raise DataError(f"{_describe(config)}: none of the first rows is a JSON object")
-    wanted = [("prompt_field", config.prompt_field), ("answer_field", config.answer_field)]
+    wanted = [("prompt_field", config.prompt_field)] + ([("answer_field", config.answer_field)]
+                                                        if config.answer_field else [])
     if config.template:
         wanted += [("template field", name) for name in _template_fields(config.template)]
     for what, name in wanted:
@@ -574,7 +573,7 @@ class _ToRecord:
         if not isinstance(row, dict):
             raise _RowError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
         for field in (c.prompt_field, c.answer_field):
-            if field not in row:
+            if field and field not in row:
                 raise _RowError("missing_field", f"no field {field!r}")
         prompt = row[c.prompt_field]
         if not isinstance(prompt, str):

@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from grpo_jax.algorithm.rewards import RewardNameError, import_factory
-from grpo_jax.envs.render import ENVIRONMENT_ROLES, AssistantTurn, check_messages
+from grpo_jax.envs.render import ENVIRONMENT_ROLES, RENDERERS, AssistantTurn, check_messages
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 from grpo_jax.errors import ConfigError
 
@@ -161,8 +161,12 @@ class EnvConfig:
     # the most tokens one sequence may hold (prompt, sampled and environment tokens); an episode that would
     # pass it is truncated
     max_total_tokens: int = 4096
-    concurrency: int = 32  # episodes running at once (per process)
+    concurrency: int = 32  # environment calls running at once (per process)
     step_timeout_s: float = 30.0  # the longest one reset, step, reward or close may take
+    # the chat format that turns messages into ids (RENDERERS: qwen2, qwen3, llama3, gemma3, compact); "": the
+    # model's own, from model.architecture (renderer_for)
+    renderer: str = ""
+    renderer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false} for qwen3
 
     def validate(self) -> list[str]:
         problems = []
@@ -184,7 +188,25 @@ class EnvConfig:
                 problems.append(f"{key}={value!r}: must be an integer >= 1 ({meaning})")
         if not (is_number(self.step_timeout_s) and 0 < self.step_timeout_s < math.inf):
             problems.append(f"step_timeout_s={self.step_timeout_s!r}: must be a number of seconds > 0")
+        if self.renderer and self.renderer not in RENDERERS:
+            problems.append(f"renderer={self.renderer!r}: allowed {', '.join(RENDERERS)}, or '' for the model's own")
+        if not isinstance(self.renderer_options, dict):
+            problems.append(f"renderer_options={self.renderer_options!r}: a mapping of the renderer's options")
         return problems
+
+
+ARCHITECTURE_RENDERERS = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3",
+                          "gemma3": "gemma3"}  # model.architecture -> the renderer of its family
+
+
+def renderer_family(config: EnvConfig, architecture: str) -> str:
+    """The renderer family a run uses: env.renderer, else the model architecture's."""
+    if config.renderer:
+        return config.renderer
+    if architecture not in ARCHITECTURE_RENDERERS:
+        raise ConfigError(f"env.renderer='': model.architecture={architecture!r} has no renderer of its own; set "
+                          f"env.renderer to one of {', '.join(RENDERERS)}")
+    return ARCHITECTURE_RENDERERS[architecture]
 
 
 def make_environment(config: EnvConfig) -> Environment:

@@ -62,9 +62,12 @@ from grpo_jax.data.tokenizer import Tokenizer
 from grpo_jax.errors import TrainerError
 from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.rollout.engine import Engine, GroupResult
+from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.state.ledger import global_ordinal
 from grpo_jax.state.replay_buffer import Group, ReplayBuffer
+
+SEGMENT_PROMPTS, SEGMENT_MASKS, SEGMENT_TRAJECTORY = "segment_prompts", "segment_masks", "segment_trajectory"
 
 logger = logging.getLogger("grpo_jax.rollout.actor")
 
@@ -103,14 +106,17 @@ class ActorLimits:
 class Actor:
     """Background thread: handouts -> G completions per prompt -> rewards -> groups into the buffer."""
 
-    def __init__(self, grpo: GRPOConfig, limits: ActorLimits, sampler: Sampler | Engine, tokenizer: Tokenizer,
-                 collector: Collector, buffer: ReplayBuffer, rewards: RewardSuite, base_key: jax.Array,
+    def __init__(self, grpo: GRPOConfig, limits: ActorLimits, sampler: Sampler | Engine | EpisodeRunner,
+                 tokenizer: Tokenizer, collector: Collector, buffer: ReplayBuffer, rewards: RewardSuite | None,
+                 base_key: jax.Array,
                  version: int = 0, lockstep: HostAgreement | None = None):
         self.grpo, self.limits = grpo, limits
         self.lockstep = lockstep  # an actor mesh across hosts: rounds in lockstep with the other processes
         self.base_key = base_key
         self.sampler = sampler
         self.streaming = isinstance(sampler, Engine)
+        self.episodic = isinstance(sampler, EpisodeRunner)  # episodes of an environment, scored by its reward()
+        self.env_failures: collections.Counter = collections.Counter()  # failed episodes by reason
         # Its share of the devices: across hosts each process counts only its own groups' tokens.
         self.num_devices = len(jax.tree.leaves(sampler.state)[0].sharding.device_set) // (
             jax.process_count() if lockstep is not None else 1)
@@ -175,8 +181,11 @@ class Actor:
         if spreads:
             out.update({"rollout/version_spread_mean": float(np.mean(spreads)),
                         "rollout/version_spread_max": int(np.max(spreads))})
-        if self.streaming:
+        if self.streaming or self.episodic:
             out.update(self.sampler.metrics())
+        if self.episodic:
+            out.update(episode_metrics(groups))
+            out.update({f"env/failed_{reason}": self.env_failures[reason] for reason in ENV_FAILURES})
         return out
 
     # -- the thread --
@@ -187,7 +196,10 @@ class Actor:
         if pending is None:
             return
         state, version = pending
-        if self.streaming:  # with inflight_updates off the engine holds them back until its slots drain
+        if self.episodic:  # used from the next device program, with episodes in flight (tokens record versions)
+            self.sampler.update_params(state, version)
+            self._version = version
+        elif self.streaming:  # with inflight_updates off the engine holds them back until its slots drain
             self.sampler.update_params(state, version)
             self._version = self.sampler.version
         else:
@@ -419,6 +431,9 @@ class Actor:
         good = self._keep_good(prompts)
         if not good:
             return
+        if self.episodic:
+            self._process_episodes(good)
+            return
         g = self.grpo.group_size
         version = self._version
         keys = self._sample_keys(good).reshape(-1, 2)
@@ -487,6 +502,57 @@ class Actor:
             self.buffer.put(group)
         self._stop_if_rewards_keep_failing()
 
+    # -- episodes of an environment --
+
+    def _process_episodes(self, prompts: list[Prompt]) -> None:
+        """G episodes per prompt, as many prompts at once as the runner has rows for; new weights are adopted
+        between device programs (each token records its version)."""
+        g = self.grpo.group_size
+        per_batch = max(self.sampler.engine.rows // g, 1)
+        for start in range(0, len(prompts), per_batch):
+            part = prompts[start:start + per_batch]
+            keys = self._sample_keys(part).reshape(-1, 2)
+            rows = [p.record["row"] for p in part for _ in range(g)]
+            seeds = [int(k[0]) << 32 | int(k[1]) for k in keys]  # the episode's key: the same on a regeneration
+            began = time.perf_counter()
+            results = self.sampler.run(rows, seeds, keys, between_calls=self._adopt_pending_weights,
+                                       stopped=self._stop.is_set)
+            self.generate_seconds += time.perf_counter() - began
+            if results is None or self._stop.is_set():
+                return  # abandoned: these prompts (and the rest) stay unfinished, for the resume
+            self._finish_episodes(part, results)
+
+    def _finish_episodes(self, prompts: list[Prompt], results: list[EpisodeResult]) -> None:
+        """Put each prompt's G episodes into the buffer as one group, or drop it: fewer than 2 episodes that
+        did not fail (the commonest failure is the reason), advantages that do not fit float32, zero variance."""
+        g = self.grpo.group_size
+        episodes = [results[i * g:(i + 1) * g] for i in range(len(prompts))]
+        valid = np.array([[e.failure is None for e in eps] for eps in episodes])
+        rewards = np.array([[e.reward if e.failure is None else 0.0 for e in eps] for eps in episodes], np.float32)
+        advantages, zero_var = self._group_advantages(rewards, valid)
+        for i, (prompt, eps) in enumerate(zip(prompts, episodes)):
+            self.generated_tokens += sum(sum(sum(s.loss_mask) for s in e.trajectory.segments)
+                                         for e in eps if e.trajectory is not None)
+            failed = [e for e in eps if e.failure is not None]
+            self.env_failures.update(e.failure for e in failed)
+            reason = detail = None
+            if valid[i].sum() < 2:
+                reason = collections.Counter(e.failure for e in failed).most_common(1)[0][0]
+                detail = _one_line(f"{len(failed)} of {g} episodes failed; first: {failed[0].failure}: "
+                                   f"{failed[0].detail}")
+            elif not np.isfinite(advantages[i]).all():
+                reason, detail = "reward_error", "the group's rewards are too large for float32 advantages"
+            elif self.grpo.filter_zero_variance and zero_var[i]:
+                reason = "zero_variance"
+            self._count_reward_errors(reason in (*ENV_FAILURES, "reward_error"), detail)
+            if reason:
+                self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
+                self.buffer.release(1)
+                continue
+            self.collector.mark_finished(prompt.ordinal)
+            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i], bool(zero_var[i])))
+        self._stop_if_rewards_keep_failing()
+
     # -- rewards that fail --
 
     def _log_reward_errors(self, scored) -> None:
@@ -526,9 +592,69 @@ class Actor:
             return
         self.error = TrainerError(
             f"stopped: none of the last {self.reward_error_streak} prompts could be trained, because the rewards "
-            "failed on their samples (a group needs 2 scored samples); last error: "
+            "(or the environment's episodes) failed on their samples (a group needs 2 scored samples); last error: "
             f"{self.last_reward_error}; fix the reward (each drop's detail in events.jsonl says how it failed), or "
             f"raise trainer.reward_error_handouts (now {handouts} handouts of {self._rows} prompts; 0: never stop "
             "for this)")
         self.buffer.close(error=self.error)
         self._stop.set()
+
+
+def episode_group(prompt: Prompt, episodes: list[EpisodeResult], rewards: np.ndarray, advantages: np.ndarray,
+                  valid: np.ndarray, zero_variance: bool) -> Group:
+    """One prompt's G episodes as a Group of segments (replay_buffer's segment layout): each segment of an episode
+    that did not fail is one learner sequence, its prompt the tokens before its first sampled one, its completion
+    the rest with a mask of the sampled tokens. The group's weight version is its oldest sampled token's."""
+    prompts, completions, masks, logprobs, owner, versions = [], [], [], [], [], []
+    for j, episode in enumerate(episodes):
+        if episode.failure is not None:
+            continue
+        for segment in episode.trajectory.segments:
+            mask = np.asarray(segment.loss_mask, np.int8)
+            sampled = np.flatnonzero(mask)
+            if not len(sampled):
+                continue
+            first, tokens = int(sampled[0]), np.asarray(segment.tokens, np.int32)
+            prompts.append(tokens[:first])
+            completions.append(tokens[first:])
+            masks.append(mask[first:])
+            logprobs.append(np.asarray(segment.behaviour_logprobs, np.float32)[first:])
+            versions.append(np.asarray(segment.weight_versions, np.int32)[sampled])
+            owner.append(j)
+    names = sorted({name for e in episodes for name in e.reward_parts})
+    parts = np.array([[e.reward_parts.get(name, np.nan) for name in names] for e in episodes], np.float32)
+    stats = np.array([[e.turns, *(_trajectory_counts(e)), e.env_seconds] for e in episodes], np.float32)
+    return Group(
+        ordinal=prompt.ordinal, prompt=prompt.record, completions=completions, behaviour_logprobs=logprobs,
+        rewards=rewards.astype(np.float32), weight_version=int(min(v.min() for v in versions)),
+        regenerations=int(prompt.record.get("regenerations", 0)),
+        extras={"advantages": advantages.astype(np.float32), "valid": np.asarray(valid, bool),
+                "zero_variance": zero_variance, "token_versions": versions, SEGMENT_PROMPTS: prompts,
+                SEGMENT_MASKS: masks, SEGMENT_TRAJECTORY: np.asarray(owner, np.int32),
+                "episode_stats": stats, "reward_parts": parts, "reward_part_names": names})
+
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "segments", "truncated", "env_seconds")  # episode_stats columns
+
+
+def _trajectory_counts(episode: EpisodeResult) -> tuple[int, int, int, int]:
+    t = episode.trajectory
+    if t is None:
+        return 0, 0, 0, 0
+    return t.tool_calls, t.tool_errors, len(t.segments), int(t.truncated)
+
+
+def episode_metrics(groups: list[Group]) -> dict:
+    """A step's episodes (valid or failed, of the groups trained): per-episode means of EPISODE_STATS
+    (env/turns, env/tool_calls, env/tool_errors, env/segments, env/truncated: the share cut off, env/latency_s:
+    time in the environment's calls), and each named reward part's mean (reward/part_<name>)."""
+    stats = [g.extras["episode_stats"] for g in groups if "episode_stats" in g.extras]
+    if not stats:
+        return {}
+    stats = np.concatenate(stats)
+    out = {f"env/{'latency_s' if name == 'env_seconds' else name}": float(stats[:, k].mean())
+           for k, name in enumerate(EPISODE_STATS)}
+    for g in groups:
+        for k, name in enumerate(g.extras.get("reward_part_names", ())):
+            out.setdefault(f"reward/part_{name}", []).append(np.asarray(g.extras["reward_parts"])[:, k])
+    return {k: float(np.nanmean(np.concatenate(v))) if isinstance(v, list) else v for k, v in out.items()}

@@ -8,6 +8,7 @@ from grpo_jax.algorithm.advantages import GRPOConfig
 from grpo_jax.algorithm.learner import OptimConfig
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.data.pipeline import DataConfig
+from grpo_jax.envs.environment import EnvConfig
 from grpo_jax.model.lora import LoraConfig
 from grpo_jax.model.transformer import ModelConfig
 from grpo_jax.parallel.distributed import DistributedConfig
@@ -87,6 +88,9 @@ class Config:
     # Weighted reward terms: [{name, weight, kwargs, label, samples_per_call}]; a name from
     # grpo_jax.algorithm.rewards.REWARDS, or a factory of your own by import path "package.module:factory".
     rewards: list = dataclasses.field(default_factory=_default_rewards)
+    # A multi-turn environment (grpo_jax.envs): its episodes replace single completions, its reward() the rewards
+    # section (which must then be empty). None: single-turn prompts scored by `rewards`.
+    env: EnvConfig | None = None
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -113,8 +117,10 @@ class Config:
             problems.append(f"seed={self.seed}: must be >= 0")
         if not self.run_dir:
             problems.append("run_dir='': must name a directory")
-        if not self.rewards:
+        if not self.rewards and self.env is None:
             problems.append("rewards=[]: need at least one reward term")
+        if self.env is not None:
+            problems += self.env_problems()
         for i, spec in enumerate(self.rewards):
             try:
                 parsed = RewardSpec.parse(spec)
@@ -153,11 +159,30 @@ class Config:
                             f"prompts_per_step * group_size / mini_batches = {rows // mini} (optim.packing=false)")
         return problems
 
+    def env_problems(self) -> list[str]:
+        """What a run with an environment (env section) needs of the rest of the config, as 'key=value: fix'."""
+        problems = []
+        if self.rewards:
+            problems.append(f"rewards={self.rewards!r}: with an env section the environment's reward() scores each "
+                            "episode; set rewards: [] (score inside the environment)")
+        if not self.optim.packing:
+            problems.append("optim.packing=false: an episode's segments are trained as packed sequences; set "
+                            "optim.packing=true with an env section")
+        if self.eval.every_steps:
+            problems.append(f"eval.every_steps={self.eval.every_steps}: evaluation during training runs single-turn "
+                            "prompts, not episodes; set eval.every_steps=0 with an env section")
+        if self.model.replays_routing:
+            problems.append("model.routing_replay=true: not recorded for episodes; set model.routing_replay=false")
+        return problems
+
     def actor_across_hosts_problems(self) -> list[str]:
         """What this config asks of an actor whose mesh spans hosts (sharding.cut_devices) that such an actor
         does not do, as 'key=value: fix' strings. Such an actor is one sampler for every host's prompts, its
         programs run by all hosts together, one batch at a time (actor.Actor's lockstep rounds)."""
         problems = []
+        if self.env is not None:
+            problems.append("env: episodes run on one actor per host; an actor mesh across hosts cannot run them "
+                            "(give each host its own actor devices: mesh.actor_devices)")
         if self.sampler.engine != "static":
             problems.append(f"sampler.engine={self.sampler.engine!r}: an actor mesh across hosts samples with the "
                             "static sampler, one batch of every host's prompts at a time (set sampler.engine=static; "

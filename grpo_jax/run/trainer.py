@@ -63,6 +63,7 @@ from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.parallel.sharding import shard_module
 from grpo_jax.rollout.actor import Actor, ActorLimits
 from grpo_jax.rollout.engine import make_generator
+from grpo_jax.rollout.episodes import make_episode_runner
 from grpo_jax.rollout.weight_sync import WeightSync
 from grpo_jax.run.config import Config
 from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
@@ -395,11 +396,16 @@ class Trainer:
             frozen = self.learner.frozen
             actor_adapters, actor_model = actor_model, nnx.merge(self.learner.base_graphdef, weights_copy(
                 frozen, self.plan.actor_shardings(frozen), self.weight_sync, may_alias=True))
-        # sampler.engine: the continuous Engine (slots default: one step's samples) or the static Sampler.
-        self.sampler = make_generator(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
-                                      config=config.sampler, adapters=actor_adapters,
-                                      slots=self.plan.engine_slots, version=self.version)
-        self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
+        if config.env is not None:  # episodes of an environment, scored by its reward()
+            self.sampler = make_episode_runner(config.env, config.sampler, actor_model, self.tokenizer,
+                                               rows=self.plan.engine_slots, adapters=actor_adapters,
+                                               version=self.version)
+            self.rewards = None
+        else:  # sampler.engine: the continuous Engine (slots default: one step's samples) or the static Sampler.
+            self.sampler = make_generator(actor_model, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id,
+                                          config=config.sampler, adapters=actor_adapters,
+                                          slots=self.plan.engine_slots, version=self.version)
+            self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
         limits = ActorLimits(max_steps=config.trainer.max_steps, group_timeout_s=config.trainer.group_timeout_s,
                              reward_error_handouts=config.trainer.reward_error_handouts)
         self.actor = Actor(config.grpo, limits, self.sampler, self.tokenizer, self.collector, self.buffer,
@@ -1028,7 +1034,8 @@ class Trainer:
             "actor/tokens_per_s": self.actor.generated_tokens / max(self.actor.generate_seconds, 1e-9),
             "_tokens": int(lengths.sum() + sum(len(grp.prompt["prompt_ids"]) for grp in groups) * g),
         })
-        metrics.update(self.rewards.metrics())  # reward/timed_out_samples, reward/stuck_threads
+        if self.rewards is not None:
+            metrics.update(self.rewards.metrics())  # reward/timed_out_samples, reward/stuck_threads
         metrics.update(self.actor.metrics(groups))  # version spread in groups, engine occupancy, tokens/s per device
         return metrics
 
