@@ -1,6 +1,7 @@
 """The built-in environments, named by short name: gsm8k_python on real GSM8K rows (a program in the sandbox, its
-failures as tool errors, the final answer read as the gsm8k reward reads it) and countdown_multiturn (the code
-comes only from the tool: a policy that copies the lookups solves it, one that answers at once does not). Each
+failures as tool errors, the final answer read as the gsm8k reward reads it), countdown_multiturn (the code
+comes only from the tool: a policy that copies the lookups solves it, one that answers at once does not) and
+fetch_code (the same in one argument-less call, through the compact renderer and the synthetic_chat tokenizer). Each
 episode is scripted through the renderer and the docs' run_episode, as the engine is to run it."""
 
 import asyncio
@@ -14,12 +15,14 @@ import numpy as np
 import pytest
 
 from grpo_jax.config_io import ConfigError
-from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.data.pipeline import DataConfig, open_source
+from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.envs import environment
 from grpo_jax.envs.environment import EnvConfig, Environment, make_environment, register_environment
 from grpo_jax.envs.gsm8k import Gsm8kPythonEnv
 from grpo_jax.envs.render import make_renderer
-from grpo_jax.envs.synthetic import CountdownMultiturnEnv, make_countdown_dataset
+from grpo_jax.envs.synthetic import CountdownMultiturnEnv, FetchCodeEnv, make_countdown_dataset, make_fetch_code_dataset
+from grpo_jax.envs.tools import ToolError
 from grpo_jax.sandbox import Sandbox, SandboxError
 from test_environment import _docs_module
 
@@ -65,8 +68,8 @@ def test_a_built_in_environment_is_named_by_its_short_name():
     assert type(make_environment(EnvConfig(name="countdown_multiturn"))) is CountdownMultiturnEnv
     assert make_environment(EnvConfig(name="grpo_jax.envs.gsm8k:Gsm8kPythonEnv")).timeout_s == 5.0  # by path too
     assert EnvConfig(name="gsm8k_pyton").validate() == [
-        "name='gsm8k_pyton': allowed countdown_multiturn, gsm8k_python, or a factory of your own by import path "
-        "'package.module:factory'"]
+        "name='gsm8k_pyton': allowed countdown_multiturn, fetch_code, gsm8k_python, or a factory of your own by "
+        "import path 'package.module:factory'"]
     with pytest.raises(ConfigError, match=r"^env.name='gsm8k_python': gsm8k_python\(\*\*kwargs\) raised ValueError: "
                                           r"gsm8k_python: timeout_s=0: must be a number of seconds > 0"):
         make_environment(EnvConfig(name="gsm8k_python", kwargs={"timeout_s": 0}))
@@ -282,3 +285,126 @@ def test_countdown_malformed_calls_are_tool_errors_and_partial_lookups_earn_part
     assert re.fullmatch(r"next \d\d, 1 left", env.answers["52"])
     assert totals(trajectory) == (5, 3, 3, False)
     assert reward == {"correct": 0.0, "lookups": 0.25}  # half the chain looked up
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fetch_code, through the compact renderer and the synthetic_chat tokenizer: ids in, ids out
+
+COMPACT = make_renderer("compact", load_tokenizer("synthetic_chat"))
+
+
+def compact_turn(text: str):
+    ids = COMPACT.tokenizer.encode(text) + list(COMPACT.end_of_turn_ids)
+    return ids, [-0.5] * len(ids), [0] * len(ids)
+
+
+def fetching_policy(ids):
+    """What a model must learn, read off the ids: call fetch, then write the digits the tool's answer ends with."""
+    tok = COMPACT.tokenizer
+    tool = tok.token_to_id("<|t|>")
+    if tool not in ids:
+        return compact_turn("<|c|>fetch")
+    start = len(ids) - ids[::-1].index(tool)  # the last tool result
+    digits = [i for i in ids[start:ids.index(COMPACT.end_of_turn_ids[0], start)] if tok.decode([i]).isdigit()]
+    return digits + list(COMPACT.end_of_turn_ids), [-0.5] * (len(digits) + 1), [0] * (len(digits) + 1)
+
+
+def fetch_episode(row, seed, sample, max_turns=4, **kwargs):
+    env = make_environment(EnvConfig(name="fetch_code", kwargs=kwargs, max_turns=max_turns))
+    trajectory, reward = asyncio.run(run_episode(env, COMPACT, row, seed, lambda ids: sample(ids), max_turns))
+    return env, trajectory, reward
+
+
+def test_fetch_code_rows_are_repeatable_and_the_synthetic_data_source_reads_them():
+    rows = make_fetch_code_dataset(100, seed=3)
+    assert rows == make_fetch_code_dataset(100, seed=3) and rows != make_fetch_code_dataset(100, seed=4)
+    assert all(r["prompt"] == "code?" and r["answer"] == "" and r["task"] == "fetch_code" for r in rows)
+    assert len({r["id"] for r in rows}) == 100
+    config = DataConfig(source="synthetic", synthetic_task="fetch_code", prompt_field="prompt", synthetic_size=100,
+                        seed=3)
+    assert config.validate() == [] and [open_source(config)[i] for i in range(100)] == rows
+    with pytest.raises(ValueError, match=r"row\['id'\]=None: an integer >= 0"):
+        asyncio.run(FetchCodeEnv().reset({"prompt": "code?"}, 0))
+    with pytest.raises(ValueError, match=r"code_digits=0: an integer from 1 to 12"):
+        make_environment(EnvConfig(name="fetch_code", kwargs={"code_digits": 0}))
+
+
+def _code(row, seed, **kwargs) -> str:
+    env = FetchCodeEnv(**kwargs)
+    asyncio.run(env.reset(row, seed))
+    return env.code
+
+
+def test_fetch_code_reset_is_deterministic_in_the_row_and_the_seed_and_the_tool_answers_with_the_code():
+    row, other = make_fetch_code_dataset(2, seed=0)
+    env = FetchCodeEnv()
+    assert asyncio.run(env.reset(row, 7)) == [{"role": "user", "content": "code?"}]
+    assert re.fullmatch(r"\d\d", env.code) and env.code == _code(row, 7)
+    assert len({_code(row, seed, code_digits=4) for seed in range(50)}) > 45  # the seed draws the code
+    assert sum(_code(row, seed, code_digits=4) == _code(other, seed, code_digits=4) for seed in range(50)) < 3
+    fetch, = env.tools
+    assert (fetch.name, fetch.parameters, fetch.call({})) == ("fetch", {"type": "object", "properties": {}},
+                                                              f"code {env.code}")
+    with pytest.raises(ToolError, match="fetch: unknown argument 'key'"):
+        fetch.call({"key": "1"})
+    assert asyncio.run(FetchCodeEnv(system_prompt="Fetch.").reset(row, 7))[0] == {"role": "system",
+                                                                                   "content": "Fetch."}
+
+
+def test_fetch_code_a_perfect_episode_scores_one_in_six_sampled_tokens():
+    row = make_fetch_code_dataset(1, seed=0)[0]
+    env, trajectory, reward = fetch_episode(row, 5, fetching_policy)
+    assert reward == {"correct": 0.9, "called": 0.1} and sum(reward.values()) == 1.0
+    assert totals(trajectory) == (2, 1, 0, False)
+    segment, = trajectory.segments
+    tok = COMPACT.tokenizer
+    assert tok.decode(segment.tokens, skip_special_tokens=False) == (
+        f"<|s|>fetch()<|e|><|u|>code?<|e|><|a|><|c|>fetch<|e|><|t|>code {env.code}<|e|><|a|>{env.code}<|e|>")
+    # 10 prompt tokens, 3 sampled for the call, 7 of the result and the next generation prompt, 3 for the answer
+    assert len(segment.tokens) == 23 and sum(segment.loss_mask) == 3 + (2 + 1)
+    assert list(segment.tokens) == tok.encode(COMPACT.render(trajectory.messages, [fetch_schema(env)], False))
+    # 4 digits: 2 more sampled, 4 more in all
+    env, trajectory, reward = fetch_episode(row, 5, fetching_policy, code_digits=4)
+    assert (len(trajectory.segments[0].tokens), sum(trajectory.segments[0].loss_mask), reward["correct"]) == (
+        27, 8, 0.9)
+
+
+def fetch_schema(env):
+    return env.tools[0].schema
+
+
+def test_fetch_code_without_the_call_scores_chance_and_wrong_digits_cost_their_share():
+    rows = make_fetch_code_dataset(200, seed=1)
+    scores = []
+    for i, row in enumerate(rows):
+        _, trajectory, reward = fetch_episode(row, i, lambda ids: compact_turn("42"))
+        assert trajectory.turns == 1 and reward["called"] == 0.0
+        scores.append(sum(reward.values()))
+    assert 0.04 < np.mean(scores) < 0.15  # about 0.9 / 10
+    env = FetchCodeEnv()
+    asyncio.run(env.reset(rows[0], 0))
+    code = env.code
+    wrong = "".join(str((int(d) + 1) % 10) for d in code)
+    for answer, correct in ((code, 0.9), (f" {code}\n", 0.9), (wrong, 0.0), (code[0] + wrong[1], 0.45),
+                            (code + "0", 0.6), (code[:1], 0.45), ("", 0.0), (f"code {code}", 0.0)):
+        policy = iter([compact_turn("<|c|>fetch"), compact_turn(answer)])
+        _, trajectory, reward = fetch_episode(rows[0], 0, lambda ids: next(policy))
+        assert reward == pytest.approx({"correct": correct, "called": 0.1}), answer
+
+
+def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
+    row = make_fetch_code_dataset(1, seed=0)[0]
+    policy = iter([compact_turn("<|c|>fetch key=1"), compact_turn("<|c|>lookup"), compact_turn("<|c|>fetch()"),
+                   compact_turn("<|c|>fetch")])
+    env, trajectory, reward = fetch_episode(row, 0, lambda ids: next(policy, None) or fetching_policy(ids),
+                                            max_turns=6, call_credit=0.2)
+    assert tool_results(trajectory) == [
+        "Error: fetch: unknown argument 'key' (its arguments: none)",
+        "Error: unknown tool 'lookup' (tools: fetch)",
+        "Error: tool call 1: expected `name k=v ...` after <|c|>, got 'fetch()'",
+        f"code {env.code}"]
+    assert totals(trajectory) == (5, 3, 3, False) and len(trajectory.segments) == 1
+    assert reward == pytest.approx({"correct": 0.8, "called": 0.2})
+    # Calling forever: truncated at max_turns, no answer, the call's credit only.
+    _, trajectory, reward = fetch_episode(row, 0, lambda ids: compact_turn("<|c|>fetch"), max_turns=3)
+    assert trajectory.truncated and reward == {"correct": 0.0, "called": 0.1}

@@ -2,6 +2,8 @@
 the sampled turns and the ids appended after each environment step concatenate to the ids of the template's
 render of the whole conversation, with one tool call, several in one turn, a tool error, and random
 conversations; Qwen3's template, which drops earlier reasoning, cannot be extended there; parsing never raises.
+The compact family (grpo_jax's own format, no model's template) is checked against its own render: the same
+concatenation, parse and render round trips, its parse errors.
 
 Tokenizers are trained locally (test_tokenizer.train_byte_level_bpe: a merging byte-level BPE) with each
 family's special tokens, and Qwen's tag words as added tokens that are not special, as in Qwen's vocabulary."""
@@ -364,7 +366,7 @@ def test_a_renderer_refuses_a_tokenizer_of_another_family_or_one_that_swallows_t
     inner.add_special_tokens([AddedToken("<|im_end|>", special=True, rstrip=True)])  # eats the "\n" after it
     with pytest.raises(ConfigError, match=r"does not split '\\nx' from <\|im_end\|>"):
         make_renderer("qwen2", Tokenizer(inner))
-    assert set(RENDERERS) == set(FAMILIES)
+    assert set(RENDERERS) == {*FAMILIES, "compact"}  # compact has no model's template to compare with (below)
 
 
 def test_environment_messages_must_be_user_or_tool_and_the_history_must_end_with_the_turn():
@@ -376,3 +378,136 @@ def test_environment_messages_must_be_user_or_tool_and_the_history_must_end_with
         renderer.append_ids(history, [{"role": "tool", "content": 5}])
     with pytest.raises(ValueError, match="history must end with the assistant turn"):
         renderer.append_ids(OPENING, [{"role": "user", "content": "x"}])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compact: grpo_jax's own format for tiny models; its render is the reference
+
+
+def compact_tokenizer() -> Tokenizer:
+    """The compact format's specials, and the words these tests' conversations use (synthetic_chat knows only the
+    tiny environments' words)."""
+    return Tokenizer.word_level(RENDERERS["compact"].special_tokens, "0123456789 \n?,.:;=()'\"-_{}[]/+",
+                                ("add", "divide", "a", "b", "note", "You", "are", "careful", "calculator", "What",
+                                 "is", "Use", "the", "tools", "I", "first", "Then", "Both", "at", "once", "Error",
+                                 "raised", "ZeroDivisionError", "float", "division", "by", "zero", "quotient",
+                                 "Go", "on", "cached"), eos_token="<|endoftext|>")
+
+
+COMPACT = make_renderer("compact", compact_tokenizer())
+
+
+def compact_play(opening, tools, script):
+    """play() with the compact render as the template: after each step the ids so far are its render with the
+    generation prompt; at the end, its render of the whole conversation."""
+    tok = COMPACT.tokenizer
+    ids = COMPACT.initial_ids(opening, tools)
+    assert ids == tok.encode(COMPACT.render(opening, tool_schemas(tools), True))
+    history = list(opening)
+    for text, new_messages in script:
+        sampled = tok.encode(text) + [COMPACT.end_of_turn_ids[0]]
+        turn = COMPACT.parse(sampled)
+        assert turn.finish == "stop" and turn.parse_error is None, turn
+        ids += sampled
+        history.append(turn.message)
+        # the parsed turn renders as it was sampled
+        assert COMPACT.render([turn.message], None, False) == "<|a|>" + text + "<|e|>"
+        if new_messages is None:
+            break
+        appended = COMPACT.append_ids(history, new_messages, tools)
+        assert not isinstance(appended, CannotExtend)
+        ids += appended
+        history += new_messages
+        assert ids == tok.encode(COMPACT.render(history, tool_schemas(tools), True))
+    assert ids == tok.encode(COMPACT.render(history, tool_schemas(tools), False))
+    return ids
+
+
+def test_compact_renders_roles_tools_and_calls_in_a_few_tokens():
+    ids = compact_play(OPENING, TOOLS, [
+        ("I add first.<|c|>add a=2 b=3", [tool_message("add", "5.0")]),
+        ("Then I divide.<|c|>divide a=5 b=4", [tool_message("divide", "1.25")]),
+        ("(2 + 3) / 4 = 1.25", None)])
+    assert COMPACT.tokenizer.decode(ids, skip_special_tokens=False) == (
+        "<|s|>You are a careful calculator.\nadd(a, b)\ndivide(a, b)<|e|><|u|>What is (2 + 3) / 4? Use the tools.<|e|>"
+        "<|a|>I add first.<|c|>add a=2 b=3<|e|><|t|>5.0<|e|><|a|>Then I divide.<|c|>divide a=5 b=4<|e|>"
+        "<|t|>1.25<|e|><|a|>(2 + 3) / 4 = 1.25<|e|>")
+    assert COMPACT.stop_ids == (COMPACT.tokenizer.token_to_id("<|e|>"), COMPACT.tokenizer.token_to_id("<|endoftext|>"))
+    # Without a system message the tools have a system turn of their own; without either, there is none.
+    question = OPENING[1:]
+    assert COMPACT.render(question, tool_schemas(TOOLS[:1]), True) == (
+        "<|s|>add(a, b)<|e|><|u|>What is (2 + 3) / 4? Use the tools.<|e|><|a|>")
+    assert COMPACT.render(question, None, True) == "<|u|>What is (2 + 3) / 4? Use the tools.<|e|><|a|>"
+
+
+def test_compact_several_calls_in_one_turn_a_tool_error_and_a_user_message_extend():
+    compact_play(OPENING, TOOLS, [
+        ("Both at once.<|c|>add a=2 b=3<|c|>divide a=5 b=0<|c|>add a=-1.5 b=0.001",
+         [tool_message("add", "5.0"), tool_message("divide", ZERO_DIVISION), tool_message("add", "-1.499"),
+          {"role": "user", "content": "Go on."}]),
+        ("<|c|>divide a=5 b=4", [tool_message("divide", '{"quotient": 1.25}')]),
+        ("1.25", None)])
+
+
+def optional_note(a: float, note: str = "") -> float:
+    """A tool with an optional argument.
+
+    Args:
+        a: A number.
+        note: Anything.
+    """
+    return a
+
+
+def test_compact_lists_optional_arguments_and_writes_a_value_bare_only_when_it_reads_back_as_itself():
+    assert COMPACT.render(OPENING[1:], tool_schemas([Tool.from_function(optional_note)]), False) == (
+        "<|s|>optional_note(a, note?)<|e|><|u|>What is (2 + 3) / 4? Use the tools.<|e|>")
+    arguments = {"a": 52, "b": "52", "note": "word", "x": "a b", "y": [1, "2"], "z": {"k": None}, "t": True,
+                 "f": -0.5, "s": "05", "n": "null", "e": ""}
+    message = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
+    text = COMPACT.render([message], None, False).removeprefix("<|a|>").removesuffix("<|e|>")
+    assert text == ('<|c|>f a=52 b="52" note=word x="a b" y=[1, "2"] z={"k": null} t=true f=-0.5 s=05 n="null" '
+                    'e=""')
+    turn = COMPACT.parse_text(text, "stop")
+    assert (turn.tool_calls[0].arguments, turn.parse_error) == (arguments, None)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.sampled_from(list("abz09 _.-=\"'\\\n\té世{}[]")), max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["k", "v"]), inner, max_size=2),
+    max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(content=st.text(st.sampled_from(list("ab 09.\n")), max_size=6),
+       calls=st.lists(st.tuples(st.sampled_from(["add", "f_2", "x"]),
+                                st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,3}", fullmatch=True), JSON_VALUES,
+                                                max_size=3)), max_size=3))
+def test_compact_parse_reads_back_any_turn_it_renders(content, calls):
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in calls]}
+    text = COMPACT.render([message], None, False).removeprefix("<|a|>").removesuffix("<|e|>")
+    turn = COMPACT.parse_text(text, "stop")
+    assert turn.parse_error is None, (text, turn.parse_error)
+    assert (turn.content, [(c.name, c.arguments) for c in turn.tool_calls]) == (content, calls)
+
+
+def test_compact_malformed_calls_are_parse_errors_with_the_good_calls_kept():
+    cases = {
+        "<|c|>add()": "tool call 1: expected `name k=v ...` after <|c|>, got 'add()'",
+        "<|c|>": "tool call 1: expected `name k=v ...` after <|c|>, got ''",
+        "<|c|>add a=": "tool call 1: argument a has no value after '='",
+        '<|c|>add a="1': "tool call 1: argument a: invalid JSON",
+        "<|c|>add a=1 a=2": "tool call 1: argument a given twice",
+        '<|c|>add a="1"b': "tool call 1: argument a: a space must follow its value",
+        "<|c|>add a = 1": "tool call 1: expected ` k=v` at ' a = 1'",
+        "<|c|>add a=1<|c|>divide b=[1,": "tool call 2: argument b: invalid JSON",
+    }
+    for text, error in cases.items():
+        turn = COMPACT.parse(COMPACT.tokenizer.encode(text) + list(COMPACT.end_of_turn_ids))
+        assert turn.parse_error is not None and turn.parse_error.startswith(error), (text, turn.parse_error)
+        assert [c.name for c in turn.tool_calls] == (["add"] if text.startswith("<|c|>add a=1<|c|>") else [])
+    turn = COMPACT.parse(COMPACT.tokenizer.encode("I add.<|c|>add a=1") + [COMPACT.end_of_text_ids[0]])
+    assert (turn.content, turn.tool_calls[0].arguments, turn.finish) == ("I add.", {"a": 1}, "eos")
+    assert COMPACT.parse(COMPACT.tokenizer.encode("1.25")).finish == "length"

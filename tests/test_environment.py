@@ -81,16 +81,16 @@ def test_env_config_problems_name_the_key_the_value_and_the_fix(user_module):
     problems = EnvConfig(name="", max_turns=0, max_total_tokens=True, concurrency=-1, step_timeout_s=float("nan"),
                          kwargs=[1]).validate()
     assert problems == [
-        "name='': name a built-in environment (gsm8k_python, countdown_multiturn) or a factory of your own by "
-        "import path 'package.module:factory'",
+        "name='': name a built-in environment (gsm8k_python, countdown_multiturn, fetch_code) or a factory of "
+        "your own by import path 'package.module:factory'",
         "kwargs=[1]: a mapping of the factory's keyword arguments",
         "max_turns=0: must be an integer >= 1 (assistant turns per episode)",
         "max_total_tokens=True: must be an integer >= 1 (tokens one sequence may hold)",
         "concurrency=-1: must be an integer >= 1 (episodes at once)",
         "step_timeout_s=nan: must be a number of seconds > 0"]
     assert EnvConfig(name="calculator").validate() == [
-        "name='calculator': allowed countdown_multiturn, gsm8k_python, or a factory of your own by import path "
-        "'package.module:factory'"]
+        "name='calculator': allowed countdown_multiturn, fetch_code, gsm8k_python, or a factory of your own by "
+        "import path 'package.module:factory'"]
     assert EnvConfig(name="nowhere_at_all:make").validate() == [
         "name='nowhere_at_all:make': no module named nowhere_at_all (put the directory that holds it on PYTHONPATH, "
         "or install it)"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.algorithm import rewards as R
-from grpo_jax.data.tasks import TASKS, digits_score, make_synthetic_dataset
+from grpo_jax.data.tasks import DIGIT_TASKS, digits_score, make_synthetic_dataset
 
 
 def load_rows(path):
@@ -142,7 +142,7 @@ def test_registry():
 
 
 def test_synthetic_dataset_is_deterministic_and_correct():
-    for task in TASKS:
+    for task in DIGIT_TASKS:
         a = make_synthetic_dataset(task, 200, seed=3, min_digits=1, max_digits=4)
         assert a == make_synthetic_dataset(task, 200, seed=3, min_digits=1, max_digits=4)
         assert a != make_synthetic_dataset(task, 200, seed=4, min_digits=1, max_digits=4)

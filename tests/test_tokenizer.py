@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.errors import CheckpointError
 
 transformers.logging.set_verbosity_error()
@@ -183,6 +183,26 @@ def test_char_level_tokenizer_round_trips_and_saves(tmp_path):
     tok.save(tmp_path)
     loaded = Tokenizer.from_dir(tmp_path)
     assert loaded.encode(text) == ids and loaded.eos_ids == tok.eos_ids
+
+
+def test_synthetic_chat_tokenizer_has_a_token_per_special_digit_symbol_and_word_and_saves(tmp_path):
+    tok = load_tokenizer("synthetic_chat")
+    assert tok.vocab_size == 54  # the tiny configs' model.vocab_size (64) must be at least this
+    assert tok.eos_ids == (0,) and tok.pad_id == 0 and tok.token_to_id("<|endoftext|>") == 0
+    episode = "<|s|>fetch()<|e|><|u|>code?<|e|><|a|><|c|>fetch<|e|><|t|>code 42<|e|><|a|>42<|e|>"
+    ids = tok.encode(episode)
+    assert len(ids) == 23 and tok.decode(ids, skip_special_tokens=False) == episode
+    assert [tok.decode([i], skip_special_tokens=False) for i in tok.encode("<|c|>lookup key=52")] == [
+        "<|c|>", "lookup", " ", "key", "=", "5", "2"]
+    text = "Error: unknown tool 'x' (tools: fetch)\n"  # 'x' is no word of the vocabulary: one <unk>
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == "Error: unknown tool '<unk>' (tools: fetch)\n"
+    assert tok.encode("<unk>") == tok.encode("xyz") == [tok.token_to_id("<unk>")]
+    assert tok.decode(tok.encode("42<|e|>")) == "42"  # specials are skipped by default, as the others' are
+    tok.save(tmp_path)
+    loaded = Tokenizer.from_dir(tmp_path)
+    assert loaded.encode(episode) == ids and loaded.eos_ids == tok.eos_ids and loaded.pad_id == 0
+    with pytest.raises(ValueError, match="a token appears twice"):
+        Tokenizer.word_level(("<|e|>",), "ab", ("a",), eos_token="<|e|>")
 
 
 # ---- prompt encoding: the BOS a plain prompt gets, as transformers gives it (issue 20 item 17) ----------------

@@ -12,16 +12,26 @@ whatever follows the answer is ignored, and gives partial credit per digit: a 2-
 dense, prompt-dependent signal long before it solves a task exactly. `copy` is the easiest (attend to
 the same offset), `reverse` needs position arithmetic, `add` needs carries; use 1-4 digits for quick
 runs.
+
+`fetch_code` is not a digit task: its rows ("code?") are the openings of the multi-turn environment
+`fetch_code` (grpo_jax.envs.synthetic), which draws the code per episode and gives the reward; a config
+names both (`data: {source: synthetic, synthetic_task: fetch_code, prompt_field: prompt}` and the env).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-TASKS = ("copy", "reverse", "add")
+DIGIT_TASKS = ("copy", "reverse", "add")
+# fetch_code: the rows of the multi-turn environment of that name (grpo_jax.envs.synthetic), whose reward the
+# environment gives: the code to answer with is drawn per episode, so the row holds none.
+TASKS = (*DIGIT_TASKS, "fetch_code")
+FETCH_CODE_PROMPT = "code?"
 # Every character a synthetic prompt or answer uses: the char-level tokenizer (`tokenizer: synthetic`)
 # of the CPU runs is built over exactly these, so a tiny model explores ~25 symbols instead of 259 bytes.
-SYNTHETIC_ALPHABET = "0123456789 :+=\n" + "".join(sorted(set("".join(TASKS))))
+# (The digit tasks' only: fetch_code's words are tokens of `tokenizer: synthetic_chat`, and adding letters here
+# would change the ids of models trained with this tokenizer.)
+SYNTHETIC_ALPHABET = "0123456789 :+=\n" + "".join(sorted(set("".join(DIGIT_TASKS))))
 
 
 def _digit_string(rng: np.random.Generator, n: int) -> str:
@@ -40,7 +50,10 @@ def make_synthetic_dataset(task: str, n: int, seed: int, min_digits: int = 1, ma
     """`n` rows {"prompt", "answer", "task"}, identical for the same arguments.
 
     Each operand has a digit count drawn uniformly from [min_digits, max_digits]. Use different seeds
-    for the train and eval splits.
+    for the train and eval splits. fetch_code rows are {"prompt": "code?", "answer": "", "task", "id"}: id a
+    random integer from the seed, from which (with the episode's seed) the environment draws the code; answer
+    is empty (the data pipeline reads an answer field; the code is not in the row); the digit counts do not
+    apply (the environment's code_digits does).
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r}: allowed {', '.join(TASKS)}")
@@ -51,6 +64,10 @@ def make_synthetic_dataset(task: str, n: int, seed: int, min_digits: int = 1, ma
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
+        if task == "fetch_code":
+            # each row its own id, so rows (and splits of other seeds) sharing an episode seed get other codes
+            rows.append({"prompt": FETCH_CODE_PROMPT, "answer": "", "task": task, "id": int(rng.integers(0, 2**31))})
+            continue
         if task == "add":
             a = _integer(rng, int(rng.integers(min_digits, max_digits + 1)))
             b = _integer(rng, int(rng.integers(min_digits, max_digits + 1)))

@@ -42,6 +42,16 @@ CHATML_TEMPLATE = (
 )
 
 
+# The synthetic_chat tokenizer's vocabulary (Tokenizer.synthetic_chat): the compact chat format's special tokens
+# (end of text first: id 0 is eos and pad), every digit, whitespace and punctuation character, and the words the
+# tiny environments' texts use (fetch_code, countdown_multiturn and their tool errors). Appending is safe; changing
+# an entry's place changes the ids of a model trained with it.
+SYNTHETIC_CHAT_SPECIALS = ("<|endoftext|>", "<|s|>", "<|u|>", "<|a|>", "<|t|>", "<|e|>", "<|c|>")
+SYNTHETIC_CHAT_SYMBOLS = "0123456789 \n?,.:;=()'\"-_{}[]"
+SYNTHETIC_CHAT_WORDS = ("code", "fetch", "lookup", "lookups", "key", "next", "left", "Error", "no", "unknown", "tool",
+                        "tools", "call", "argument", "arguments", "its", "none", "the")
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer and decoder use."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -280,6 +290,34 @@ class Tokenizer:
         tok.add_special_tokens([AddedToken(eos_token, special=True, normalized=False)])
         return cls(tok, eos_token=eos_token, pad_token=eos_token, source=f"char_level({alphabet!r})")
 
+    @classmethod
+    def word_level(cls, specials: tuple[str, ...], symbols: str, words: tuple[str, ...], eos_token: str,
+                   unk_token: str = "<unk>", source: str = "word_level()") -> Tokenizer:
+        """One token per special token, per character of `symbols` and per whole word of `words`, built locally;
+        any other run of letters is `unk_token`. specials are added as special tokens (matched anywhere in a
+        text); the pre-tokenizer cuts a text into special-looking tokens, runs of ASCII letters, single digits and
+        single other characters, so a digit string is one token per digit. Decoding joins the tokens as they are,
+        so a text made of known words, symbols and specials round-trips."""
+        entries = [*specials, unk_token, *symbols, *words]
+        if len(set(entries)) != len(entries):
+            raise ValueError(f"word_level: a token appears twice among specials, symbols and words: {entries}")
+        vocab = {token: i for i, token in enumerate(entries)}
+        tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk_token))
+        tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"<\|[a-z]+\|>|<unk>|[A-Za-z]+|[\s\S]"),
+                                                 behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        # <unk> special too: the text "<unk>" (a decoded unknown word) encodes back to its id
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*specials, unk_token)])
+        return cls(tok, eos_token=eos_token, pad_token=eos_token, source=source)
+
+    @classmethod
+    def synthetic_chat(cls) -> Tokenizer:
+        """The word-level tokenizer of the compact chat format (grpo_jax.envs.render, family `compact`) and the
+        tiny built-in environments (`tokenizer: synthetic_chat`): < 64 tokens, so a 2-layer model trained from
+        scratch samples a whole tool call as 3 tokens (`<|c|>fetch<|e|>`)."""
+        return cls.word_level(SYNTHETIC_CHAT_SPECIALS, SYNTHETIC_CHAT_SYMBOLS, SYNTHETIC_CHAT_WORDS,
+                              eos_token="<|endoftext|>", source="synthetic_chat")
+
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (loadable by from_dir and transformers' AutoTokenizer).
 
@@ -398,7 +436,8 @@ class Tokenizer:
 
 def load_tokenizer(name: str, model_path: str = "") -> Tokenizer:
     """The tokenizer a config names, for every command (train, init-model): "byte" (byte-level BPE),
-    "synthetic" (char-level over the synthetic tasks' symbols), or a directory holding tokenizer.json;
+    "synthetic" (char-level over the synthetic tasks' symbols), "synthetic_chat" (word-level, for the compact
+    chat format of the tiny environments), or a directory holding tokenizer.json;
     "" means the tokenizer of model_path."""
     from grpo_jax.errors import ConfigError
 
@@ -407,7 +446,9 @@ def load_tokenizer(name: str, model_path: str = "") -> Tokenizer:
     if name == "synthetic":
         from grpo_jax.data.tasks import SYNTHETIC_ALPHABET
         return Tokenizer.char_level(SYNTHETIC_ALPHABET)
+    if name == "synthetic_chat":
+        return Tokenizer.synthetic_chat()
     if not name and not model_path:
-        raise ConfigError("tokenizer='': set tokenizer ('byte', 'synthetic' or a directory) when no model_path "
-                          "is given")
+        raise ConfigError("tokenizer='': set tokenizer ('byte', 'synthetic', 'synthetic_chat' or a directory) when "
+                          "no model_path is given")
     return Tokenizer.from_dir(name or model_path)

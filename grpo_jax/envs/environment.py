@@ -27,10 +27,11 @@ result and counted in StepResult.tool_errors; the episode goes on. Override `ste
 simulated user, a game); `reset` and `reward` are always yours.
 
 Config: EnvConfig names the factory by a short name registered in ENVIRONMENTS (the built-ins: gsm8k_python,
-grpo_jax.envs.gsm8k; countdown_multiturn, grpo_jax.envs.synthetic; or one of your own, register_environment), or
-by import path ("package.module:factory", loaded as reward factories are: grpo_jax.algorithm.rewards.import_factory),
-called with `kwargs`; an Environment subclass is such a factory itself. `grpo-jax train` accepts no env section
-yet: EnvConfig is validated standalone (config_io.build_config(EnvConfig, values)).
+grpo_jax.envs.gsm8k; countdown_multiturn and fetch_code, grpo_jax.envs.synthetic; or one of your own,
+register_environment), or by import path ("package.module:factory", loaded as reward factories are:
+grpo_jax.algorithm.rewards.import_factory), called with `kwargs`; an Environment subclass is such a factory itself.
+`grpo-jax train` accepts no env section yet: EnvConfig is validated standalone (config_io.build_config(EnvConfig,
+values)).
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ class EnvConfig:
     def validate(self) -> list[str]:
         problems = []
         if not self.name:
-            problems.append("name='': name a built-in environment (gsm8k_python, countdown_multiturn) or a factory "
-                            "of your own by import path 'package.module:factory'")
+            problems.append("name='': name a built-in environment (gsm8k_python, countdown_multiturn, fetch_code) or "
+                            "a factory of your own by import path 'package.module:factory'")
         else:
             try:
                 environment_factory(self.name)

@@ -40,6 +40,15 @@ Families (`RENDERERS`):
   user turn (the template needs user and model turns to alternate): each tool result as a <tool_response>
   block, each user message as it is, joined by "\\n". `template_messages` gives the conversation in that form,
   as Gemma's own template takes it.
+- compact: grpo_jax's own short format, for tiny models trained from scratch with the word-level tokenizer
+  `synthetic_chat` (Tokenizer.synthetic_chat), where a whole tool call is a few tokens. Each message is its role
+  token, its content and <|e|>: <|s|> system, <|u|> user, <|a|> assistant, <|t|> tool (the result only; results
+  follow in call order). The tools are listed in a system turn, one `name(arg, opt?)` line each after the system
+  message's content ("?": optional; no schemas), the turn written when there are tools or a system message. A
+  call is `<|c|>name k=v k=v` in the assistant turn, after its content: a value is written bare when it reads
+  back as itself (a number, true/false/null, a string of letters, digits and `_.-` that is not JSON, e.g.
+  `word` or `05`), else as JSON (`"52"`, `"a b"`, `[1, 2]`); `k=52` is the number. Generation prompt <|a|>;
+  nothing after <|e|> (glue ""); <|endoftext|> ends the conversation. Every step extends.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 
 from grpo_jax.data.tokenizer import Tokenizer
@@ -531,8 +541,124 @@ class Gemma3Renderer(Renderer):
         return _tagged_turn(text, finish)
 
 
+_COMPACT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_COMPACT_ARGUMENT = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)=")
+_COMPACT_BARE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def _json_or_none(text: str):
+    """(value,) when `text` is one JSON value alone, else None (json.loads also reads NaN and Infinity)."""
+    try:
+        return (json.loads(text),)
+    except json.JSONDecodeError:
+        return None
+
+
+def _compact_value(value) -> str:
+    # Bare when reading it back gives the value again (a number, or a word that is no JSON), else JSON.
+    if isinstance(value, str):
+        bare = _COMPACT_BARE.fullmatch(value) is not None and _json_or_none(value) is None
+        return value if bare else _tojson(value)
+    return _tojson(value)
+
+
+def _compact_call_text(name: str, arguments) -> str:
+    if isinstance(arguments, str):  # arguments given as a JSON string, as some histories hold them
+        arguments = json.loads(arguments)
+    return "<|c|>" + " ".join([name, *(f"{k}={_compact_value(v)}" for k, v in arguments.items())])
+
+
+def _read_compact_call(body: str, where: str) -> tuple[ToolCall | None, str | None]:
+    """`name k=v k=v` as a ToolCall, or why it is not one."""
+    body = body.strip()
+    name = _COMPACT_NAME.match(body)
+    if name is None or (name.end() < len(body) and not body[name.end()].isspace()):
+        return None, f"{where}: expected `name k=v ...` after <|c|>, got {body[:200]!r}"
+    arguments, at = {}, name.end()
+    while at < len(body):
+        key = _COMPACT_ARGUMENT.match(body, at)
+        if key is None:
+            return None, f"{where}: expected ` k=v` at {body[at:at + 40]!r} (a value with spaces is JSON: k=\"a b\")"
+        at = key.end()
+        rest = body[at:]
+        if rest[:1] in ('"', "{", "["):
+            try:
+                value, length = json.JSONDecoder().raw_decode(rest)
+            except json.JSONDecodeError as e:
+                return None, f"{where}: argument {key.group(1)}: invalid JSON ({e})"
+        else:
+            length = len(rest.split(None, 1)[0]) if rest.strip() else 0
+            if rest[:1].isspace() or not length:
+                return None, f"{where}: argument {key.group(1)} has no value after '='"
+            parsed = _json_or_none(rest[:length])
+            value = parsed[0] if parsed is not None else rest[:length]
+        if rest[length:length + 1] and not rest[length].isspace():
+            return None, f"{where}: argument {key.group(1)}: a space must follow its value, got {rest[:40]!r}"
+        if key.group(1) in arguments:
+            return None, f"{where}: argument {key.group(1)} given twice"
+        arguments[key.group(1)] = value
+        at += length
+    return ToolCall(name=name.group(), arguments=arguments), None
+
+
+def _compact_tools_text(tools: list[dict]) -> str:
+    lines = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or {}
+        required = parameters.get("required") or ()
+        names = [p if p in required else p + "?" for p in parameters.get("properties") or {}]
+        lines.append(f"{function['name']}({', '.join(names)})")
+    return "\n".join(lines)
+
+
+class CompactRenderer(Renderer):
+    """grpo_jax's compact format for tiny models and the synthetic_chat tokenizer (module docstring)."""
+
+    family = "compact"
+    special_tokens = ("<|s|>", "<|u|>", "<|a|>", "<|t|>", "<|e|>", "<|c|>", "<|endoftext|>")
+    end_of_turn = ("<|e|>",)
+    end_of_text = ("<|endoftext|>",)
+    glue = ""
+    role_tokens = {"system": "<|s|>", "user": "<|u|>", "assistant": "<|a|>", "tool": "<|t|>"}
+
+    def render(self, messages, tools, add_generation_prompt):
+        messages = list(messages)
+        system = []
+        if messages and messages[0]["role"] == "system":
+            system.append(messages.pop(0)["content"])
+        if tools:
+            system.append(_compact_tools_text(tools))
+        out = ["<|s|>" + "\n".join(part for part in system if part) + "<|e|>"] if system else []
+        for i, message in enumerate(messages):
+            role = message["role"]
+            if role not in self.role_tokens:
+                raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders system, user, assistant, tool")
+            calls = "".join(_compact_call_text(name, arguments) for name, arguments in _calls(message))
+            out.append(self.role_tokens[role] + message["content"] + calls + "<|e|>")
+        if add_generation_prompt:
+            out.append("<|a|>")
+        return "".join(out)
+
+    def parse_text(self, text, finish):
+        content, *bodies = text.split("<|c|>")
+        calls, errors = [], []
+        for number, body in enumerate(bodies, start=1):
+            call, error = _read_compact_call(body, f"tool call {number}")
+            if call is not None:
+                calls.append(call)
+            else:
+                errors.append(error)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = _message_calls(calls)
+        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error="; ".join(errors) or None,
+                             finish=finish, message=message)
+
+
 RENDERERS: dict[str, type[Renderer]] = {
-    "qwen2": Qwen2Renderer, "qwen3": Qwen3Renderer, "llama3": Llama3Renderer, "gemma3": Gemma3Renderer}
+    "qwen2": Qwen2Renderer, "qwen3": Qwen3Renderer, "llama3": Llama3Renderer, "gemma3": Gemma3Renderer,
+    "compact": CompactRenderer}
 
 
 def make_renderer(family: str, tokenizer: Tokenizer, **options) -> Renderer:

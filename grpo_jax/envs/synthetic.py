@@ -1,4 +1,7 @@
-"""The built-in environment `countdown_multiturn`: a synthetic multi-turn task that needs the tool's answers.
+"""The built-in environments `countdown_multiturn` and `fetch_code`: synthetic multi-turn tasks that need the
+tool's answers.
+
+## countdown_multiturn
 
 A row names a key and a number of lookups (make_countdown_dataset). The environment holds a hidden chain for the
 episode, drawn from the seed and the row's key: each lookup of a key on the chain answers with the next key and
@@ -18,6 +21,26 @@ first turn without tool calls is the final answer and ends the episode (the defa
 `reward()`: named parts {"correct", "lookups"}. correct is 1.0 when the final answer's last run of digits is the
 code, else 0.0; lookups is lookup_credit times the fraction of the chain's keys the model looked up (partial
 credit for the calls, whatever the answer). A perfect episode scores 1 + lookup_credit in all.
+
+## fetch_code
+
+The smallest task that needs the environment: one tool without arguments, whose answer is the code.
+
+    user:  code?
+    call:  fetch()   ->  "code 42"
+    final: 42
+
+Made for a tiny model trained from scratch with the compact renderer and the synthetic_chat tokenizer, where a
+perfect episode samples `<|c|>fetch<|e|>` (3 tokens) and then the code's digits and `<|e|>` (code_digits + 1).
+A row is {"prompt", "id"} (make_fetch_code_dataset, or `data.synthetic_task: fetch_code`): the code is drawn
+from the episode's seed and the row's id, so the row gives nothing away. The opening is the row's prompt as the
+user message (after system_prompt, when one is given). The first turn without tool calls is the answer (the
+default step); a call with arguments, of another tool, or malformed is a tool error and the episode goes on.
+
+`reward()`: named parts {"correct", "called"} summing to at most 1.0. correct is (1 - call_credit) times the
+fraction of the code's digits the answer (the final turn's content, spaces stripped) has right, position by
+position, over the longer of the answer and the code (extra characters cost credit, as missing ones do); called
+is call_credit when fetch answered at least once. A policy that never calls scores about (1 - call_credit) / 10.
 """
 
 from __future__ import annotations
@@ -26,6 +49,7 @@ import re
 
 import numpy as np
 
+from grpo_jax.data.tasks import make_synthetic_dataset
 from grpo_jax.envs.environment import Environment, StepResult, register_environment
 from grpo_jax.envs.render import AssistantTurn
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
@@ -131,3 +155,64 @@ class CountdownMultiturnEnv(Environment):
         numbers = _DIGITS.findall(self.final_answer or "")
         correct = bool(numbers) and numbers[-1] == self.code
         return {"correct": float(correct), "lookups": self.lookup_credit * (len(self.looked_up) / len(self.answers))}
+
+
+def make_fetch_code_dataset(n: int, seed: int) -> list[dict]:
+    """`n` fetch_code rows {"prompt", "answer" (empty), "task", "id"}, identical for the same arguments: the rows
+    `data: {source: synthetic, synthetic_task: fetch_code}` reads. Use different seeds for train and eval."""
+    return make_synthetic_dataset("fetch_code", n, seed)
+
+
+@register_environment("fetch_code")
+class FetchCodeEnv(Environment):
+    """One argument-less tool whose answer is the code to answer with (module docstring)."""
+
+    def __init__(self, *, code_digits: int = 2, call_credit: float = 0.1, system_prompt: str = ""):
+        if not (is_int(code_digits) and 1 <= code_digits <= 12):
+            raise ValueError(f"fetch_code: code_digits={code_digits!r}: an integer from 1 to 12 (the code's "
+                             "length; a guessed digit is right once in 10)")
+        if not (is_number(call_credit) and 0 <= call_credit <= 1):
+            raise ValueError(f"fetch_code: call_credit={call_credit!r}: a number from 0 to 1 (the reward for "
+                             "calling fetch; the answer's digits share the rest of 1.0)")
+        if not isinstance(system_prompt, str):
+            raise ValueError(f"fetch_code: system_prompt={system_prompt!r}: a str ('' for no system message)")
+        self.code_digits, self.call_credit, self.system_prompt = code_digits, float(call_credit), system_prompt
+        self.tools = [Tool.from_function(self.fetch)]
+        self.code: str | None = None
+        self.fetches = 0  # calls of fetch that answered
+        self.final_answer: str | None = None  # the content of the turn without tool calls, once there is one
+
+    def fetch(self) -> str:
+        """Fetch the code to answer with."""
+        if self.code is None:
+            raise ToolError("no code yet: the episode has not been reset")
+        self.fetches += 1
+        return f"code {self.code}"
+
+    async def reset(self, row: dict, seed: int) -> list[dict]:
+        prompt, row_id = row.get("prompt"), row.get("id")
+        if not (isinstance(prompt, str) and prompt):
+            raise ValueError(f"fetch_code: row['prompt']={prompt!r}: the user's opening, a non-empty str "
+                             "(make_fetch_code_dataset's rows)")
+        if not (is_int(row_id) and row_id >= 0):
+            raise ValueError(f"fetch_code: row['id']={row_id!r}: an integer >= 0, from which with the seed the code "
+                             "is drawn (make_fetch_code_dataset's rows)")
+        if not (is_int(seed) and seed >= 0):
+            raise ValueError(f"fetch_code: seed={seed!r}: an integer >= 0")
+        # From the seed and the row's id: the same (row, seed) is the same episode; rows sharing a seed differ.
+        self.code = _random_digits(np.random.default_rng([seed, row_id]), self.code_digits)
+        self.fetches, self.final_answer = 0, None
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": prompt}]
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        result = await super().step(turn)
+        if result.done:
+            self.final_answer = turn.content
+        return result
+
+    async def reward(self) -> dict[str, float]:
+        answer, code = (self.final_answer or "").strip(), self.code or ""
+        right = sum(a == c for a, c in zip(answer, code))
+        fraction = right / max(len(answer), len(code), 1)
+        return {"correct": (1 - self.call_credit) * fraction, "called": self.call_credit if self.fetches else 0.0}
