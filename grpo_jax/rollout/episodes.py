@@ -107,8 +107,12 @@ class EpisodeRunner:
     """Runs batches of episodes (module docstring). One thread calls run(); close() when done."""
 
     def __init__(self, engine: ContinuationEngine, renderer: Renderer, env_config: EnvConfig,
-                 factory: Callable[[], Environment], *, max_prompt_len: int, max_new_tokens: int):
+                 factory: Callable[[], Environment], *, max_prompt_len: int, max_new_tokens: int,
+                 reprefill: bool = False):
+        """reprefill: prefill every turn's whole sequence again instead of continuing it (what the continuation
+        saves, measured by tools/bench_multiturn.py; the episodes are the same)."""
         self.engine, self.renderer, self.config, self.factory = engine, renderer, env_config, factory
+        self.reprefill = reprefill
         self.context = min(env_config.max_total_tokens, engine.context)
         self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
         self.loop = asyncio.new_event_loop()
@@ -316,7 +320,7 @@ class EpisodeRunner:
                                         f"{self.context} tokens (env.max_total_tokens, sampler.max_prompt_len + "
                                         f"max_new_tokens) and sampler.max_new_tokens={self.max_new_tokens}")
                 continue
-            appended[r], restart[r] = (ids, True) if new_segment else (ids[e.fed:], False)
+            appended[r], restart[r] = (ids, True) if new_segment or self.reprefill else (ids[e.fed:], False)
         return appended, restart
 
     def _rewards(self, episodes: list[_Episode]) -> None:
