@@ -280,7 +280,7 @@ def test_inflight_updates_tag_tokens_and_behaviour_logprobs(engine, model):
                     rewards=np.zeros(G, np.float32), weight_version=r.oldest_version,
                     extras={"advantages": np.ones(G, np.float32), "token_versions": r.versions})
               for i, (p, r) in enumerate(zip(prompts, results))]
-    rows_prompts, completions, logprobs, advantages = group_rows(groups, G)
+    rows_prompts, completions, logprobs, advantages, _ = group_rows(groups, G)
     batch = pack_batch(rows_prompts, completions, logprobs, advantages, PAD, 16, MAX_NEW)
     versions = np.zeros(batch.behaviour_logprobs.shape, np.int32)
     for row, r in enumerate(v for result in results for v in result.versions):

@@ -361,7 +361,8 @@ def test_the_trainer_rows_carry_each_samples_validity():
               for i, valid in enumerate([np.array([True, False, True]), np.array([False, True, True])])]
     valid = row_validity(groups, 3, rows=8)  # two rows of padding after the six of the groups
     assert valid.tolist() == [True, False, True, False, True, True, False, False]
-    prompts, completions, logprobs, advantages = group_rows(groups, 3)
+    prompts, completions, logprobs, advantages, masks = group_rows(groups, 3)
+    assert masks is None  # ordinary groups: every completion token trains
     batch = pack_batch(prompts + [np.array([0])] * 2, completions + [np.zeros(0)] * 2, logprobs + [np.zeros(0)] * 2,
                        np.concatenate([advantages, np.zeros(2)]), 0, 4, 4, valid=valid)
     assert (np.asarray(batch.loss_mask).sum(axis=1) > 0).tolist() == valid.tolist()

@@ -51,8 +51,8 @@ def random_sequences(seed: int, size: int):
 def both_layouts(seed: int, size: int, mini_batches: int = 1, unit: int = 1):
     prompts, completions, behaviour, advantages, valid = random_sequences(seed, size)
     padded = pack_batch(prompts, completions, behaviour, advantages, 0, PROMPT_LEN, COMPLETION_LEN, valid=valid)
-    layout = pack_layout(*sequence_lengths(prompts, completions, valid), PROMPT_LEN + COMPLETION_LEN, COMPLETION_LEN,
-                         mini_batches)
+    layout = pack_layout(*sequence_lengths(prompts, completions, valid)[:2], PROMPT_LEN + COMPLETION_LEN,
+                         COMPLETION_LEN, mini_batches)
     rows = -(-layout.rows // unit) * unit
     packed = pack_sequences(prompts, completions, behaviour, advantages, 0, PROMPT_LEN + COMPLETION_LEN,
                             COMPLETION_LEN, mini_batches, valid=valid, layout=layout, rows=rows)
@@ -109,7 +109,8 @@ def test_a_packed_sequence_scores_as_if_alone_and_no_gradient_crosses_sequences(
 def test_the_packed_layout_holds_each_trained_sequence_once_in_its_mini_batch():
     prompts, completions, behaviour, advantages, valid = random_sequences(3, 40)
     length = PROMPT_LEN + COMPLETION_LEN
-    prompt_lengths, completion_lengths = sequence_lengths(prompts, completions, valid)
+    prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid)
+    np.testing.assert_array_equal(trained_lengths, completion_lengths)  # without masks every token trains
     layout = pack_layout(prompt_lengths, completion_lengths, length, COMPLETION_LEN, mini_batches=2, first_sequence=3)
     trained = completion_lengths > 0
     assert (layout.row[~trained] == -1).all() and (layout.row[trained] >= 0).all()

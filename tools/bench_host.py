@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
 
         def learner_side(pack=pack_batch, rows=group_rows):
             taken = buffer.take(n, current_version=0)
-            batch = pack(*rows(taken.groups, g), 0, args.prompt_len, args.new_tokens)
+            batch = pack(*rows(taken.groups, g)[:4], 0, args.prompt_len, args.new_tokens)  # no masks: no env
             buffer.put_back(taken.groups, 0)  # the same groups for the next timing
             return batch
 

@@ -265,7 +265,7 @@ def compare_packing(args, config: ModelConfig, loss_config: LossConfig, optim_co
     prompts, completions, behaviour, advantages = sequences
     length = args.prompt_bucket + args.completion_bucket
     padded = pack_batch(prompts, completions, behaviour, advantages, 0, args.prompt_bucket, args.completion_bucket)
-    prompt_lengths, completion_lengths = sequence_lengths(prompts, completions)
+    prompt_lengths, completion_lengths, _ = sequence_lengths(prompts, completions)
     layout = pack_layout(prompt_lengths, completion_lengths, length, args.completion_bucket, args.mini_batches)
     unit = args.mini_batches * (args.micro or 1)
     sizes = packed_row_sizes(-(-args.sequences // unit) * unit, unit, 8)  # as the trainer rounds (optim.packing)

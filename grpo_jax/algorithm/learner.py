@@ -23,6 +23,12 @@ rounding of the cut) counts as kept, so that its log-prob stays finite.
 Rows whose reward failed (pack_batch's `valid`) have loss_mask 0, exactly like padding rows: they add
 nothing to the policy loss, the KL, any aggregation denominator or any metric.
 
+Completion masks (multi-turn environments): a completion may interleave sampled tokens with tokens the
+environment wrote (tool results). `completion_masks` (one 0/1 array per completion, 1 = sampled) multiply the
+loss mask, so an environment token is context only: it is trained in no loss, counts in no denominator,
+per-sequence count or metric, and its behaviour log-prob and advantage are never read. Without masks every
+completion token is trained (the same batch, bit for bit).
+
 Two layouts of a step's sequences (TrainBatch), trained alike: one sequence per row (pack_batch), or packed
 rows (pack_sequences, optim.packing): first-fit decreasing into rows of the same length, each token labelled
 with its sequence (attention within a sequence only, positions restarting at 0), the vocabulary projection on
@@ -659,13 +665,14 @@ def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fil
 
 def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                prompt_len: int, completion_len: int, valid: np.ndarray | None = None,
-               routing: list | None = None) -> TrainBatch:
+               routing: list | None = None, completion_masks: list | None = None) -> TrainBatch:
     """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
     sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length.
     valid [rows] bool (None: all): False marks a row whose reward failed; it gets loss_mask 0, so it trains
     nothing and counts in no denominator or metric, exactly like a padding row. routing: per row, the experts
-    of its input tokens ([prompt + completion - 1, layers, k], GroupResult.routing), or None. Returns NumPy
-    arrays."""
+    of its input tokens ([prompt + completion - 1, layers, k], GroupResult.routing), or None.
+    completion_masks: per row a 0/1 array of its completion's length (1: a sampled token, trained; 0: an
+    environment token, context only), or None (every completion token trained). Returns NumPy arrays."""
     try:
         prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
         completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
@@ -679,6 +686,10 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
     loss_mask = np.zeros((size, length - 1), np.float32)
     behaviour = np.zeros((size, length - 1), np.float32)
     loss_mask[:, prompt_len - 1:] = completion_mask
+    if completion_masks is not None:
+        trained, _ = place_rows(checked_masks(completion_masks, completions), completion_len, False, np.float32)
+        loss_mask[:, prompt_len - 1:] *= trained
+        behaviour_scored = np.where(trained > 0, behaviour_scored, 0.0)  # never read there: kept 0 like padding
     if valid is not None:
         valid = np.asarray(valid, bool)
         if valid.shape != (size,):
@@ -692,6 +703,25 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
                       loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32),
                       behaviour_logprobs=behaviour, completion_len=completion_len,
                       routing=None if routing is None else place_routing(routing, starts, length - 1))
+
+
+def checked_masks(completion_masks: list, completions: list) -> list[np.ndarray]:
+    """completion_masks as float32 arrays, after checking that each is 0/1 and as long as its completion
+    (ValueError naming the sequence otherwise)."""
+    if len(completion_masks) != len(completions):
+        raise ValueError(f"completion_masks: {len(completion_masks)} masks for {len(completions)} completions; "
+                         "give one per completion (or None to train every token)")
+    out = []
+    for i, (mask, completion) in enumerate(zip(completion_masks, completions)):
+        mask = np.asarray(mask, np.float32).reshape(-1)
+        if len(mask) != len(completion):
+            raise ValueError(f"completion_masks[{i}]: {len(mask)} values for a completion of {len(completion)} tokens; "
+                             "one per completion token")
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError(f"completion_masks[{i}]: values {sorted(set(mask.tolist()) - {0.0, 1.0})}; only 0 "
+                             "(environment token) and 1 (sampled token) are allowed")
+        out.append(mask)
+    return out
 
 
 def place_routing(routing: list, starts: np.ndarray, positions: int) -> np.ndarray:
@@ -726,26 +756,32 @@ class PackedLayout:
 
 
 def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_length: int, mini_batches: int = 1,
-                first_sequence: int = 0) -> PackedLayout:
+                first_sequence: int = 0, trained_lengths=None) -> PackedLayout:
     """First-fit decreasing of a step's sequences (prompt + completion) into rows of `row_length` tokens of
-    which at most `scored_length` are trained (scored) completion tokens.
+    which at most `scored_length` are trained (scored) completion tokens. trained_lengths: [n] the trained tokens
+    of each completion (at most its length: fewer with completion masks, whose environment tokens take room in
+    the row but not in the scored budget); None: every completion token (completion_lengths).
 
     Mini-batches stay strided by sequence: sequence i is the step's sequence first_sequence + i (this process's
     first one is process x its sequences) and trains in mini-batch (first_sequence + i) % M, as its row would
     in the padded layout (split_rows). Each mini-batch's sequences are packed into rows of their own, and the
     j-th row of mini-batch m is row j x M + m: with a row count that is a multiple of M (every bucket is),
     split_rows hands mini-batch m exactly its sequences. A sequence with no trained token (completion length 0:
-    empty, or its reward failed) trains nothing and is left out. Longest first, each into the first row where
-    it fits, else a new row."""
+    empty, its reward failed, or every token masked) trains nothing and is left out. Longest first (all its
+    tokens), each into the first row where it fits, else a new row."""
     prompt = np.asarray(prompt_lengths, np.int64)
     completion = np.asarray(completion_lengths, np.int64)
+    trained = completion if trained_lengths is None else np.asarray(trained_lengths, np.int64)
+    if trained.shape != completion.shape or (trained > completion).any():
+        raise ValueError(f"trained_lengths {trained.tolist()}: one per sequence, each at most its completion's "
+                         f"length {completion.tolist()}")
     total = prompt + completion
-    too_long = np.flatnonzero((total > row_length) | (completion > scored_length))
+    too_long = np.flatnonzero((trained > 0) & ((total > row_length) | (trained > scored_length)))
     if len(too_long):
         i = int(too_long[0])
         raise ValueError(f"sequence {i}: {prompt[i]} + {completion[i]} tokens exceed a packed row of {row_length} "
-                         f"tokens, {scored_length} of them trained")
-    unscorable = np.flatnonzero((prompt == 0) & (completion > 0))
+                         f"tokens, {scored_length} of them trained (it trains {trained[i]})")
+    unscorable = np.flatnonzero((prompt == 0) & (trained > 0))
     if len(unscorable):  # its first completion token would have no position before it to be scored from
         raise ValueError(f"sequence {int(unscorable[0])}: a completion without a prompt token")
     n = len(total)
@@ -753,20 +789,20 @@ def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_leng
     mini_of = (first_sequence + np.arange(n)) % mini_batches
     most = 0
     for m in range(mini_batches):
-        members = np.flatnonzero((completion > 0) & (mini_of == m))
+        members = np.flatnonzero((trained > 0) & (mini_of == m))
         order = members[np.argsort(-total[members], kind="stable")]
         free = np.zeros(len(order), np.int64)  # tokens left in each open row
         free_scored = np.zeros(len(order), np.int64)
         held = np.zeros(len(order), np.int64)  # sequences in each open row
         opened = 0
         for i in order:
-            fits = (free[:opened] >= total[i]) & (free_scored[:opened] >= completion[i])
+            fits = (free[:opened] >= total[i]) & (free_scored[:opened] >= trained[i])
             j = int(np.argmax(fits)) if opened and fits.any() else opened
             if j == opened:
                 free[j], free_scored[j], opened = row_length, scored_length, opened + 1
             row[i], offset[i], slot[i] = j * mini_batches + m, row_length - free[j], held[j]
             free[j] -= total[i]
-            free_scored[j] -= completion[i]
+            free_scored[j] -= trained[i]
             held[j] += 1
         most = max(most, opened)
     return PackedLayout(row, offset, slot, most * mini_batches)
@@ -775,21 +811,24 @@ def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_leng
 def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                    row_length: int, scored_length: int, mini_batches: int = 1, valid: np.ndarray | None = None,
                    first_sequence: int = 0, layout: PackedLayout | None = None, rows: int | None = None,
-                   routing: list | None = None) -> TrainBatch:
+                   routing: list | None = None, completion_masks: list | None = None) -> TrainBatch:
     """Packed rows (TrainBatch's second layout) of the sequences pack_batch would lay out one per row, with the
     same arguments (prompt and completion rows, behaviour log-probs cut to their completion, advantages [n],
-    valid [n]). Positions, attention and the losses' per-sequence reductions follow each sequence, so the
-    learner trains this batch as it trains pack_batch's. layout: pack_layout's (computed here when None, from
-    the lengths with a failed row's completion counted as 0); rows: how many rows (>= layout.rows, a multiple of
-    mini_batches; None: layout.rows), the extra ones padding. Returns NumPy arrays."""
+    valid [n], completion_masks). Positions, attention and the losses' per-sequence reductions follow each
+    sequence, so the learner trains this batch as it trains pack_batch's. layout: pack_layout's (computed here
+    when None, from sequence_lengths: a failed row trains nothing, a masked token takes room in its row but not
+    in the scored budget); a given layout must come from the same lengths; rows: how many rows (>= layout.rows, a
+    multiple of mini_batches; None: layout.rows), the extra ones padding. Returns NumPy arrays."""
     n = len(prompts)
     if valid is not None:
         valid = np.asarray(valid, bool)
         if valid.shape != (n,):
             raise ValueError(f"valid has shape {valid.shape}, expected ({n},): one flag per row")
+    masks = None if completion_masks is None else checked_masks(completion_masks, completions)
     if layout is None:
-        layout = pack_layout(*sequence_lengths(prompts, completions, valid), row_length, scored_length, mini_batches,
-                             first_sequence)
+        prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
+        layout = pack_layout(prompt_lengths, completion_lengths, row_length, scored_length, mini_batches,
+                             first_sequence, trained_lengths=trained_lengths)
     rows = layout.rows if rows is None else rows
     if rows < layout.rows or rows % mini_batches:
         raise ValueError(f"{rows} packed rows: need at least {layout.rows}, a multiple of {mini_batches} mini-batches")
@@ -807,10 +846,16 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
         tokens[r, start:middle], tokens[r, middle:end] = prompt, completion
         labels[r, start:end] = layout.slot[i] + 1
         # Position t scores token t + 1: the completion's tokens middle .. end-1 are scored at middle-1 .. end-2.
-        loss_mask[r, middle - 1:end - 1] = 1.0
-        behaviour[r, middle - 1:end - 1] = np.asarray(behaviour_logprobs[i], np.float32)[:len(completion)]
+        logprobs = np.asarray(behaviour_logprobs[i], np.float32)[:len(completion)]
+        if masks is None:
+            loss_mask[r, middle - 1:end - 1] = 1.0
+            behaviour[r, middle - 1:end - 1] = logprobs
+        else:  # a masked token's behaviour log-prob is never read: kept 0 there, as in pack_batch
+            loss_mask[r, middle - 1:end - 1] = masks[i]
+            behaviour[r, middle - 1:end - 1] = np.where(masks[i] > 0, logprobs, 0.0)
         packed_advantages[r, layout.slot[i]] = advantages[i]
-    # Each row's trained positions in order, then -1 (a stable sort puts the trained ones first).
+    # Each row's trained positions in order, then -1 (a stable sort puts the trained ones first). The layout kept
+    # each row's trained tokens (masked ones not counted) within scored_length, so none is cut off.
     order = np.argsort(loss_mask == 0, axis=1, kind="stable")[:, :scored_length]
     scored = np.where(np.take_along_axis(loss_mask, order, axis=1) > 0, order, -1).astype(np.int32)
     packed_routing = None
@@ -823,13 +868,20 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
                       behaviour_logprobs=behaviour, scored_positions=scored, routing=packed_routing)
 
 
-def sequence_lengths(prompts: list, completions: list, valid: np.ndarray | None = None):
-    """([n] prompt lengths, [n] trained completion lengths: 0 for a row whose reward failed), for pack_layout."""
+def sequence_lengths(prompts: list, completions: list, valid: np.ndarray | None = None,
+                     completion_masks: list | None = None):
+    """([n] prompt lengths, [n] completion lengths, [n] trained completion tokens) for pack_layout (its
+    prompt_lengths, completion_lengths and trained_lengths). A row whose reward failed counts 0 completion and 0
+    trained tokens (it is left out); completion_masks (pack_batch's) count only their sampled tokens as trained;
+    without them every completion token is."""
     prompt = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
     completion = np.fromiter((len(c) for c in completions), np.int64, len(completions))
     if valid is not None:
         completion = np.where(np.asarray(valid, bool), completion, 0)
-    return prompt, completion
+    if completion_masks is None:
+        return prompt, completion, completion.copy()
+    sums = np.fromiter((m.sum() for m in checked_masks(completion_masks, completions)), np.int64, len(completions))
+    return prompt, completion, np.where(completion > 0, sums, 0)
 
 
 def packed_row_sizes(max_rows: int, unit: int, buckets: int) -> tuple[int, ...]:

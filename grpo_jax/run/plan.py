@@ -242,11 +242,19 @@ class RunPlan:
         return math.lcm(mini * micro // math.gcd(micro, self.processes), local_devices)
 
     @property
+    def sequences_per_sample(self) -> int:
+        """The learner sequences one sample can make: 1, or with a multi-turn environment (config.env) its
+        max_turns (a trajectory is cut into at most one segment per assistant turn; replay_buffer's
+        SEGMENT_TRAJECTORY)."""
+        env = getattr(self.config, "env", None)  # Config.env: None, or an envs.environment.EnvConfig
+        return 1 if env is None else max(1, int(env.max_turns))
+
+    @property
     def packed_row_sizes(self) -> tuple[int, ...]:
         """The packed row counts (per process) a run may use, smallest first: the largest holds the worst case,
-        every sequence alone in a row."""
+        every sequence alone in a row (with an environment, sequences_per_sample of them per sample)."""
         mini, unit = self.config.optim.mini_batches, self.packed_row_unit
-        local_sequences = self.local_prompts * self.config.grpo.group_size
+        local_sequences = self.local_prompts * self.config.grpo.group_size * self.sequences_per_sample
         most = -(-mini * -(-local_sequences // mini) // unit) * unit
         return packed_row_sizes(most, unit, self.config.optim.packing_buckets)
 

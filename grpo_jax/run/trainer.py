@@ -71,7 +71,16 @@ from grpo_jax.run.metrics import MetricsWriter
 from grpo_jax.run.plan import RunPlan
 from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
 from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
-from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.state.replay_buffer import (
+    SEGMENT_MASKS,
+    SEGMENT_PROMPTS,
+    SEGMENT_TRAJECTORY,
+    ArrayPool,
+    Group,
+    ReplayBuffer,
+    ReplayBufferClosed,
+    ReplayBufferTimeout,
+)
 from grpo_jax.state.run_lock import RunDirLock
 
 logger = logging.getLogger("grpo_jax.run.trainer")
@@ -173,39 +182,96 @@ def unpack_process_state(data: np.ndarray, sealed: bool) -> tuple[dict, dict[str
 # ------------------------------------------------------------------------------------------ trainer
 
 
+def group_sequences(group: Group, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, samples): which of the group's rows are learner sequences, in order, and the sample (completion, or
+    trajectory of a segment group) each belongs to, for its advantage and validity. An ordinary group: its first
+    group_size completions, each its own sample. A segment group (replay_buffer.SEGMENT_TRAJECTORY): every
+    segment of its first group_size trajectories. ValueError, naming the group and key, for a segment group
+    whose per-segment lists disagree in length."""
+    if not group.segmented:
+        rows = np.arange(min(group_size, len(group.completions)))
+        return rows, rows
+    trajectory = np.asarray(group.extras[SEGMENT_TRAJECTORY], np.int64).reshape(-1)
+    per_segment = {"completions": len(group.completions), "behaviour_logprobs": len(group.behaviour_logprobs),
+                   f'extras["{SEGMENT_PROMPTS}"]': len(group.extras.get(SEGMENT_PROMPTS, ())),
+                   f'extras["{SEGMENT_MASKS}"]': len(group.extras.get(SEGMENT_MASKS, ()))}
+    for key, n in per_segment.items():
+        if n != len(trajectory):
+            raise ValueError(f'group of ordinal {group.ordinal}: {key} has {n} entries, extras["{SEGMENT_TRAJECTORY}"] '
+                             f"{len(trajectory)} segments; the actor must give one per segment")
+    if (trajectory < 0).any():
+        raise ValueError(f'group of ordinal {group.ordinal}: extras["{SEGMENT_TRAJECTORY}"] holds a negative '
+                         f"trajectory index ({trajectory.min()}); each must be in 0 .. G - 1")
+    rows = np.flatnonzero(trajectory < group_size)
+    return rows, trajectory[rows]
+
+
 def group_rows(groups: list[Group], group_size: int):
-    """Flatten groups into learner rows: prompts, completions, behaviour log-probs (lists of arrays, one per
-    row; a group's prompt array is shared by its rows) and advantages [rows]. No per-token Python."""
-    prompts, completions, logprobs = [], [], []
+    """Flatten groups into learner sequences (group_sequences' rows, group after group): prompts, completions,
+    behaviour log-probs (lists of arrays, one per sequence; an ordinary group's prompt array is shared by its
+    rows), advantages [sequences] (a segment's is its trajectory's), and completion masks: None when no group is
+    a segment group, else one float32 0/1 array per sequence (a segment's extras["segment_masks"]; all ones for
+    an ordinary group's completion), for pack_batch / pack_sequences. No per-token Python."""
+    prompts, completions, logprobs, advantages = [], [], [], []
+    masks = [] if any(group.segmented for group in groups) else None
     for group in groups:
-        ids = np.asarray(group.prompt["prompt_ids"], np.int32)
-        prompts += [ids] * group_size
-        completions += [np.asarray(c, np.int32) for c in group.completions[:group_size]]
-        logprobs += [np.asarray(lp, np.float32) for lp in group.behaviour_logprobs[:group_size]]
-    advantages = np.concatenate([np.asarray(g.extras["advantages"], np.float32)[:group_size] for g in groups]
-                                ) if groups else np.zeros(0, np.float32)
-    return prompts, completions, logprobs, advantages
+        rows, samples = group_sequences(group, group_size)
+        if group.segmented:
+            prompts += [np.asarray(group.extras[SEGMENT_PROMPTS][i], np.int32) for i in rows]
+            masks += [np.asarray(group.extras[SEGMENT_MASKS][i], np.float32) for i in rows]
+        else:
+            prompts += [np.asarray(group.prompt["prompt_ids"], np.int32)] * len(rows)
+            if masks is not None:
+                masks += [np.ones(len(group.completions[i]), np.float32) for i in rows]
+        completions += [np.asarray(group.completions[i], np.int32) for i in rows]
+        logprobs += [np.asarray(group.behaviour_logprobs[i], np.float32) for i in rows]
+        advantages.append(np.asarray(group.extras["advantages"], np.float32)[samples])
+    advantages = np.concatenate(advantages) if groups else np.zeros(0, np.float32)
+    return prompts, completions, logprobs, advantages, masks
 
 
 def group_routing(groups: list[Group], group_size: int, rows: int) -> list | None:
     """Per row, in group_rows' order, the experts its input tokens went through when sampled (the group's
-    extras["routing"]); rows past the groups' (padding) route nowhere they are read. None without routing."""
+    extras["routing"], one per row of the group); rows past the groups' (padding) route nowhere they are read.
+    None without routing."""
     if not groups or "routing" not in groups[0].extras:
         return None
-    out = [np.asarray(r, np.int32) for group in groups for r in group.extras["routing"][:group_size]]
+    out = [np.asarray(group.extras["routing"][i], np.int32) for group in groups
+           for i in group_sequences(group, group_size)[0]]
     return out + [np.zeros((0, *out[0].shape[1:]), np.int32)] * (rows - len(out))
 
 
 def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
-    """[rows] bool, in group_rows' order: whether each row's reward was scored (a group's extras["valid"]; all
-    when it has none). Rows past the groups' (padding) are False. A failed row must train nothing, like
-    padding (pack_batch's `valid`): its advantage is 0, but left in the batch it would still count in every
-    loss denominator and get the KL gradient."""
+    """[rows] bool, in group_rows' order: whether each row's reward was scored (its sample's extras["valid"]: a
+    segment takes its trajectory's; all when the group has none). Rows past the groups' (padding) are False. A
+    failed row must train nothing, like padding (pack_batch's `valid`): its advantage is 0, but left in the batch
+    it would still count in every loss denominator and get the KL gradient."""
     out = np.zeros(rows, bool)
-    for i, group in enumerate(groups):
+    start = 0
+    for group in groups:
+        _, samples = group_sequences(group, group_size)
         valid = group.extras.get("valid")
-        out[i * group_size:(i + 1) * group_size] = True if valid is None else np.asarray(valid, bool)[:group_size]
+        out[start:start + len(samples)] = True if valid is None else np.asarray(valid, bool)[samples]
+        start += len(samples)
     return out
+
+
+def sample_lengths(group: Group) -> np.ndarray:
+    """Per sample, the tokens the model sampled (the length/* metrics): a completion's length, or the sum of a
+    trajectory's segment masks (environment tokens are not the model's)."""
+    if not group.segmented:
+        return np.array([len(c) for c in group.completions], np.int64)
+    trajectory = np.asarray(group.extras[SEGMENT_TRAJECTORY], np.int64).reshape(-1)
+    sampled = np.array([np.sum(np.asarray(m, np.float32)) for m in group.extras[SEGMENT_MASKS]], np.int64)
+    return np.bincount(trajectory, weights=sampled, minlength=len(group.rewards)).astype(np.int64)
+
+
+def sequence_tokens(group: Group, group_size: int) -> int:
+    """The tokens of the group's learner sequences (prompts, completions, environment tokens): the tokens_per_s
+    count."""
+    if not group.segmented:
+        return int(sum(len(c) for c in group.completions) + len(group.prompt["prompt_ids"]) * group_size)
+    return int(sum(len(p) + len(c) for p, c in zip(group.extras[SEGMENT_PROMPTS], group.completions)))
 
 
 class StopSignals:
@@ -613,12 +679,28 @@ class Trainer:
     def _group_fits(self, group: Group) -> str | None:
         """Why a restored group cannot be trained under this config (None: it can). A config may lower the
         token limits between runs; such a group is generated again, never dropped."""
+        if group.segmented:
+            return self._segments_fit(group)
         if len(group.prompt["prompt_ids"]) > self.prompt_bucket:
             return (f"its prompt has {len(group.prompt['prompt_ids'])} tokens, over the prompt limit "
                     f"{self.prompt_bucket} (data.max_prompt_len / sampler.max_prompt_len)")
         longest = max(len(c) for c in group.completions)
         if longest > self.completion_bucket:
             return f"a completion has {longest} tokens, over sampler.max_new_tokens={self.completion_bucket}"
+        return None
+
+    def _segments_fit(self, group: Group) -> str | None:
+        """_group_fits for a segment group: each segment in one packed row (prompt + completion within the row's
+        tokens, its sampled tokens within the completion bucket, the row's trained budget)."""
+        length = self.plan.row_length
+        for i, (prompt, completion, mask) in enumerate(zip(group.extras[SEGMENT_PROMPTS], group.completions,
+                                                           group.extras[SEGMENT_MASKS])):
+            if len(prompt) + len(completion) > length:
+                return (f"segment {i} has {len(prompt)} + {len(completion)} tokens, over a learner row of {length} "
+                        f"(prompt limit {self.prompt_bucket} + sampler.max_new_tokens={self.completion_bucket})")
+            sampled = int(np.sum(np.asarray(mask, np.float32)))
+            if sampled > self.completion_bucket:
+                return f"segment {i} has {sampled} sampled tokens, over sampler.max_new_tokens={self.completion_bucket}"
         return None
 
     def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
@@ -952,7 +1034,10 @@ class Trainer:
         """This process's part of a step's learner batch (NumPy), and its padding metrics.
 
         Its sequences are the groups' rows (group_rows), then empty ones up to a whole step (the last step of
-        a finite dataset), sequence i being the step's sequence P x rows + i. optim.packing: packed rows
+        a finite dataset), sequence i being the step's sequence P x rows + i (rows: local prompts x group size,
+        the mini-batch phase; segment groups may make more sequences than that). Segment groups (multi-turn
+        environments) carry completion masks (only sampled tokens train) and need optim.packing (TrainerError
+        otherwise): their sequences vary in number and length beyond the padded layout's. optim.packing: packed rows
         (learner.pack_sequences), every process the same number of them (the most any needs, agreed, rounded up
         to one of RunPlan.packed_row_sizes, so a run compiles a few programs); else one sequence per row
         (pack_batch). learner/padding_fraction: the share of the token slots one sequence per row would use
@@ -960,7 +1045,11 @@ class Trainer:
         learner/padding_fraction_packed: the same for the rows the learner gets (equal without packing);
         learner/rows: their number (this process's)."""
         g = self.config.grpo.group_size
-        prompts, completions, logprobs, advantages = group_rows(groups, g)
+        prompts, completions, logprobs, advantages, masks = group_rows(groups, g)
+        plan, length = self.plan, self.plan.row_length
+        if masks is not None and not plan.packing:
+            raise TrainerError("multi-turn environment groups (segments with environment tokens) train only in "
+                               "packed rows: set optim.packing=true")
         full = self.local_prompts * g
         if len(prompts) < full:  # the last step of a finite dataset: pad with rows that train nothing
             missing = full - len(prompts)
@@ -968,29 +1057,33 @@ class Trainer:
             completions += [np.zeros(0, np.int32)] * missing
             logprobs += [np.zeros(0, np.float32)] * missing
             advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
+            if masks is not None:
+                masks += [np.zeros(0, np.float32)] * missing
         valid = row_validity(groups, g, len(prompts))
         replays = self.plan.model.replays_routing
         routing = group_routing(groups, g, len(prompts)) if replays else None
         if replays and routing is None:
             raise TrainerError("routing replay: the groups of this step carry no routing (the actor records it "
                                "only with sampler.engine=continuous); set model.routing_replay=false")
-        prompt_lengths, completion_lengths = sequence_lengths(prompts, completions, valid)
-        trained_tokens = int((prompt_lengths + completion_lengths)[completion_lengths > 0].sum())
-        plan, length = self.plan, self.plan.row_length
+        prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
+        trained_tokens = int((prompt_lengths + completion_lengths)[trained_lengths > 0].sum())
         if plan.packing:
             layout = pack_layout(prompt_lengths, completion_lengths, length, self.completion_bucket,
-                                 self.config.optim.mini_batches, first_sequence=self.process_index * full)
+                                 self.config.optim.mini_batches, first_sequence=self.process_index * full,
+                                 trained_lengths=trained_lengths)
             # Every process feeds the same number of rows: the most any needs (gathers run in the same order
             # everywhere: every process learns every step).
             rows = plan.packed_rows(int(self.agreement.gather([layout.rows]).max()))
             batch = pack_sequences(prompts, completions, logprobs, advantages, self.tokenizer.pad_id, length,
                                    self.completion_bucket, self.config.optim.mini_batches, layout=layout, rows=rows,
-                                   routing=routing)
+                                   routing=routing, completion_masks=masks)
         else:
             rows = full
             batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
-                               self.prompt_bucket, self.completion_bucket, valid=valid, routing=routing)
-        return batch, {"learner/padding_fraction": padding_fraction(trained_tokens, full, length),
+                               self.prompt_bucket, self.completion_bucket, valid=valid, routing=routing,
+                               completion_masks=masks)
+        # One sequence per row would take a row per sequence: a step's worth, or more with segments.
+        return batch, {"learner/padding_fraction": padding_fraction(trained_tokens, max(full, len(prompts)), length),
                        "learner/padding_fraction_packed": padding_fraction(trained_tokens, rows, length),
                        "learner/rows": rows}
 
@@ -1003,7 +1096,7 @@ class Trainer:
         metrics.update(padding)
         learn_seconds = time.perf_counter() - learn_start
         self.version += 1
-        trained = self._groups_trained(len(groups), applied)
+        trained = self._groups_trained(groups, applied)
         for grp, ok in zip(groups, trained):
             if not ok:  # none of its updates was applied: it trained nothing, so it is not recorded as trained
                 self.collector.mark_dropped(grp.ordinal, "nonfinite_update")
@@ -1018,7 +1111,7 @@ class Trainer:
         staleness = [step - v for v in versions] or [0]
         if groups:
             rewards = np.concatenate([grp.rewards[grp.extras["valid"]] for grp in groups])
-            lengths = np.array([len(c) for grp in groups for c in grp.completions])
+            lengths = np.concatenate([sample_lengths(grp) for grp in groups])
         else:  # several processes, the end of the data: this one only padded
             rewards, lengths = np.array([np.nan]), np.array([0])
         kl = metrics.get("kl/mean", metrics.get("tis/mismatch_kl", 0.0))
@@ -1032,7 +1125,7 @@ class Trainer:
             "zero_variance_groups": int(sum(grp.extras["zero_variance"] for grp in groups)),
             "frontier": counts["frontier"], "dropped": sum(counts["dropped"].values()),
             "actor/tokens_per_s": self.actor.generated_tokens / max(self.actor.generate_seconds, 1e-9),
-            "_tokens": int(lengths.sum() + sum(len(grp.prompt["prompt_ids"]) for grp in groups) * g),
+            "_tokens": sum(sequence_tokens(grp, g) for grp in groups),
         })
         if self.rewards is not None:
             metrics.update(self.rewards.metrics())  # reward/timed_out_samples, reward/stuck_threads
@@ -1045,16 +1138,21 @@ class Trainer:
         sharding = self.plan.batch_sharding
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
-    def _groups_trained(self, num_groups: int, applied: np.ndarray) -> list[bool]:
+    def _groups_trained(self, groups: list[Group], applied: np.ndarray) -> list[bool]:
         """Per group of this process: whether at least one update over its rows was applied. Row (sequence) r of
-        this process is the step's sequence P * rows_per_process + r, in mini-batch (P * rows_per_process + r) %
-        mini_batches in either layout (packed rows keep it: learner.pack_layout); update u trains mini-batch u %
-        mini_batches."""
+        this process (group_rows' order: a group's group_sequences, group after group) is the step's sequence
+        P * rows_per_process + r, in mini-batch (P * rows_per_process + r) % mini_batches in either layout
+        (packed rows keep it: learner.pack_layout); update u trains mini-batch u % mini_batches."""
         mini_batches, g = self.config.optim.mini_batches, self.config.grpo.group_size
         applied_minis = {u % mini_batches for u in np.flatnonzero(applied)}
         first_row = self.process_index * self.local_prompts * g
-        return [any(mini_batch_of_row(first_row + row, mini_batches) in applied_minis
-                    for row in range(i * g, (i + 1) * g)) for i in range(num_groups)]
+        trained, start = [], 0
+        for group in groups:
+            count = len(group_sequences(group, g)[0])
+            trained.append(any(mini_batch_of_row(first_row + row, mini_batches) in applied_minis
+                               for row in range(start, start + count)))
+            start += count
+        return trained
 
     def _account_leftovers(self) -> None:
         """Prompts handed out but not trained when the run stops are dropped with reason run_ended, so the
