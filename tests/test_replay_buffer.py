@@ -4,6 +4,7 @@ plain-JSON checkpoints. No JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -411,3 +412,45 @@ def test_put_back_returns_an_abandoned_step_for_the_checkpoint():
     assert [g.ordinal for g in b.to_state()["groups"] and b.take(2, current_version=0).groups] == [0, 1]
     with pytest.raises(ValueError, match="already in the buffer"):
         b.put_back([group(0), group(0)], current_version=0)
+
+
+def test_a_segment_group_round_trips_exactly_with_and_without_a_pool():
+    """A multi-turn group (replay_buffer.SEGMENT_*): ragged per-segment lists in extras, int8 masks, empty arrays,
+    come back with the same dtypes, shapes and values, as JSON and as pooled arrays."""
+    from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY
+
+    rng = np.random.default_rng(0)
+    lengths = [5, 1, 0, 7]  # an empty completion too
+    g = Group(ordinal=3, prompt={"dataset_index": 3, "epoch": 0, "prompt_ids": np.array([1, 2], np.int32)},
+              completions=[rng.integers(0, 50, n).astype(np.int32) for n in lengths],
+              behaviour_logprobs=[rng.normal(size=n).astype(np.float32) for n in lengths],
+              rewards=np.array([0.5, -1.0], np.float32), weight_version=2,
+              extras={"advantages": np.array([0.25, -0.25], np.float32), "valid": np.array([True, False]),
+                      SEGMENT_PROMPTS: [rng.integers(0, 50, n).astype(np.int32) for n in (3, 9, 4, 2)],
+                      SEGMENT_MASKS: [(rng.random(n) > 0.5).astype(np.int8) for n in lengths[:3]]
+                      + [np.ones(7, np.float32)],
+                      SEGMENT_TRAJECTORY: np.array([0, 0, 1, 1], np.int32)})
+
+    def same(a, b, where="group"):
+        if isinstance(a, dict):
+            assert isinstance(b, dict) and set(a) == set(b), where
+            for k in a:
+                same(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, list):
+            assert isinstance(b, list) and len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        elif isinstance(a, np.ndarray):
+            assert isinstance(b, np.ndarray) and (a.dtype, a.shape) == (b.dtype, b.shape), where
+            np.testing.assert_array_equal(a, b, err_msg=where)
+        else:
+            assert a == b, where
+
+    for pool in (None, ArrayPool()):
+        b = ReplayBuffer(capacity=2, max_staleness=1, prompts_per_step=1)
+        b.put(g)
+        state = json.loads(json.dumps(b.to_state(pool), allow_nan=False))
+        restored = ReplayBuffer.from_state(state, pool=None if pool is None else ArrayPool(pool.arrays()))
+        back = restored.take(1, current_version=2).groups[0]
+        assert back.segmented
+        same(dataclasses.asdict(g), dataclasses.asdict(back))
