@@ -405,6 +405,6 @@ def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
         f"code {env.code}"]
     assert totals(trajectory) == (5, 3, 3, False) and len(trajectory.segments) == 1
     assert reward == pytest.approx({"correct": 0.8, "called": 0.2})
-    # Calling forever: truncated at max_turns, no answer, the call's credit only.
+    # Calling forever: truncated at max_turns without an answer, which earns nothing, the calls included.
     _, trajectory, reward = fetch_episode(row, 0, lambda ids: compact_turn("<|c|>fetch"), max_turns=3)
-    assert trajectory.truncated and reward == {"correct": 0.0, "called": 0.1}
+    assert trajectory.truncated and reward == {"correct": 0.0, "called": 0.0}

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import jitted_token_logprobs
 from grpo_jax.data.tokenizer import Tokenizer
-from grpo_jax.envs.environment import EnvConfig, Environment, StepResult
+from grpo_jax.envs.environment import EnvConfig
 from grpo_jax.envs.render import make_renderer
 from grpo_jax.envs.synthetic import FetchCodeEnv, make_fetch_code_dataset
 from grpo_jax.model.transformer import ModelConfig, create_model

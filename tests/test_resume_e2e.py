@@ -1,7 +1,9 @@
 """End to end: `grpo-jax train` (async, on CPU) is stopped by SIGTERM, then killed with SIGKILL at random
 moments (once while a checkpoint is being written, once during start-up), resumed each time, and run to
 its end. `grpo-jax audit` must report nothing lost and nothing trained twice, and the ledger must agree
-with the final checkpoint's own accounting."""
+with the final checkpoint's own accounting. Twice: single-turn prompts (tiny_cpu.yaml), and multi-turn episodes
+of an environment (tiny_multiturn_cpu.yaml), where every kill lands mid-episode: the episodes in flight are
+generated again from their start on the resume, never trained in part."""
 
 import json
 import os
@@ -17,13 +19,18 @@ import pytest
 from test_trainer import FAST, REPO
 
 MAX_STEPS = 24
-OVERRIDES = FAST + [f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=2", "checkpoint.every_steps=2",
-                    "checkpoint.keep_last=2", "trainer.tensorboard=false", "optim.decay_steps=24"]
+OVERRIDES = [f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=2", "checkpoint.every_steps=2",
+             "checkpoint.keep_last=2", "trainer.tensorboard=false", "optim.decay_steps=24"]
+CONFIGS = {  # config -> its overrides
+    "tiny_cpu.yaml": FAST + OVERRIDES,
+    "tiny_multiturn_cpu.yaml": [o for o in FAST if not o.startswith("sampler.")] + OVERRIDES,
+}
+CONFIG = "tiny_cpu.yaml"  # the one start() runs; each test sets it
 
 
 def start(run_dir: pathlib.Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / "tiny_cpu.yaml"),
-               "--run-dir", str(run_dir)] + OVERRIDES
+    command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / CONFIG),
+               "--run-dir", str(run_dir)] + CONFIGS[CONFIG]
     log = open(run_dir.parent / "train.log", "ab")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -82,7 +89,9 @@ def surviving_chain(lines: list[dict]) -> list[dict]:
         run, upto = resumed["run"], resumed["seq"]
 
 
-def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_twice(tmp_path):
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_sigterm_and_sigkills_at_random_moments_lose_nothing_and_train_nothing_twice(tmp_path, config, monkeypatch):
+    monkeypatch.setitem(globals(), "CONFIG", config)
     rng = random.Random(int(os.environ.get("GRPO_JAX_E2E_SEED", "0")))
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -1,6 +1,6 @@
 """Environments: what a multi-turn (agentic) episode talks to. Host-side, JAX-free, asynchronous.
 
-An episode, as the rollout engine is to run it (the engine does not run environments yet):
+An episode, as the rollout engine runs it (grpo_jax.rollout.episodes):
 
     env = make_environment(config)             # the factory, called for every episode: a fresh Environment
     messages = await env.reset(row, seed)      # the opening conversation, from the dataset row
@@ -30,8 +30,8 @@ Config: EnvConfig names the factory by a short name registered in ENVIRONMENTS (
 grpo_jax.envs.gsm8k; countdown_multiturn and fetch_code, grpo_jax.envs.synthetic; or one of your own,
 register_environment), or by import path ("package.module:factory", loaded as reward factories are:
 grpo_jax.algorithm.rewards.import_factory), called with `kwargs`; an Environment subclass is such a factory itself.
-`grpo-jax train` accepts no env section yet: EnvConfig is validated standalone (config_io.build_config(EnvConfig,
-values)).
+A run's config names it in its `env:` section (run.config.Config.env); grpo_jax.train(config, env=factory) registers
+a factory of the user's and names it there.
 """
 
 from __future__ import annotations

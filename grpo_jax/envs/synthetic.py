@@ -40,7 +40,10 @@ default step); a call with arguments, of another tool, or malformed is a tool er
 `reward()`: named parts {"correct", "called"} summing to at most 1.0. correct is (1 - call_credit) times the
 fraction of the code's digits the answer (the final turn's content, spaces stripped) has right, position by
 position, over the longer of the answer and the code (extra characters cost credit, as missing ones do); called
-is call_credit when fetch answered at least once. A policy that never calls scores about (1 - call_credit) / 10.
+is, once the model ended the episode with an answer, call_credit divided by the number of fetch calls that
+answered (calling again earns nothing), and half of it when the model only tried to call a tool (a
+call of another name, or one that could not be parsed): a model trained from scratch finds the call syntax by
+these steps, the answer's digits once fetch answers. A policy that never calls scores about (1 - call_credit) / 10.
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ class FetchCodeEnv(Environment):
         self.tools = [Tool.from_function(self.fetch)]
         self.code: str | None = None
         self.fetches = 0  # calls of fetch that answered
+        self.tried = False  # the model wrote a tool call, answered or not
         self.final_answer: str | None = None  # the content of the turn without tool calls, once there is one
 
     def fetch(self) -> str:
@@ -201,11 +205,12 @@ class FetchCodeEnv(Environment):
             raise ValueError(f"fetch_code: seed={seed!r}: an integer >= 0")
         # From the seed and the row's id: the same (row, seed) is the same episode; rows sharing a seed differ.
         self.code = _random_digits(np.random.default_rng([seed, row_id]), self.code_digits)
-        self.fetches, self.final_answer = 0, None
+        self.fetches, self.tried, self.final_answer = 0, False, None
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
 
     async def step(self, turn: AssistantTurn) -> StepResult:
+        self.tried = self.tried or bool(turn.tool_calls) or turn.parse_error is not None
         result = await super().step(turn)
         if result.done:
             self.final_answer = turn.content
@@ -215,4 +220,9 @@ class FetchCodeEnv(Environment):
         answer, code = (self.final_answer or "").strip(), self.code or ""
         right = sum(a == c for a, c in zip(answer, code))
         fraction = right / max(len(answer), len(code), 1)
-        return {"correct": (1 - self.call_credit) * fraction, "called": self.call_credit if self.fetches else 0.0}
+        # Only for an episode the model finished with an answer (a call whose result it never read teaches it
+        # nothing), and shared by the calls, so that calling again earns nothing.
+        called = 0.0
+        if self.final_answer is not None:
+            called = self.call_credit / self.fetches if self.fetches else self.call_credit / 2 if self.tried else 0.0
+        return {"correct": (1 - self.call_credit) * fraction, "called": called}

@@ -59,6 +59,7 @@ class Trajectory:
         self.cuts: list[str] = []  # why each segment after the first began (CannotExtend.reason)
         self._columns: list[tuple[list, list, list, list]] = []
         self._next = "turn"  # what may come: "turn", "step", or "" once the trajectory ended
+        self._before_step: tuple | None = None  # what add_step changed, for take_back_step
         self._start_segment(renderer.initial_ids(self.messages, tools))
 
     @property
@@ -118,6 +119,7 @@ class Trajectory:
                                              "end-of-turn token, or it was marked truncated)" if self.ended else
                                              "an environment step answers an assistant turn (add_turn) first"))
         ids = self.renderer.append_ids(self.messages, messages, self.tools)
+        self._before_step = (len(self._columns), len(self._columns[-1][0]), len(self.messages), self.tool_errors)
         self.messages.extend(dict(m) for m in messages)
         self.tool_errors += tool_errors
         self._next = "turn"
@@ -127,6 +129,21 @@ class Trajectory:
             return True
         self._append(ids)
         return False
+
+    def take_back_step(self) -> None:
+        """Undo the last add_step (its messages and ids, or the segment it started) and end the trajectory
+        truncated: the engine's way out when the environment's answer does not fit the sequence."""
+        if self._before_step is None:
+            raise ValueError("take_back_step: no environment step to take back")
+        segments, length, messages, tool_errors = self._before_step
+        del self._columns[segments:]
+        for column in self._columns[-1]:
+            del column[length:]
+        del self.messages[messages:]
+        del self.cuts[segments - 1:]
+        self.tool_errors = tool_errors
+        self._before_step = None
+        self.mark_truncated()
 
     def mark_truncated(self) -> None:
         """The episode was stopped before the environment ended it (max_turns, max_total_tokens)."""

@@ -65,9 +65,7 @@ from grpo_jax.rollout.engine import Engine, GroupResult
 from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.state.ledger import global_ordinal
-from grpo_jax.state.replay_buffer import Group, ReplayBuffer
-
-SEGMENT_PROMPTS, SEGMENT_MASKS, SEGMENT_TRAJECTORY = "segment_prompts", "segment_masks", "segment_trajectory"
+from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY, Group, ReplayBuffer
 
 logger = logging.getLogger("grpo_jax.rollout.actor")
 

@@ -16,13 +16,14 @@ EpisodeRunner.run(rows, seeds, keys) runs one episode per row to its end and ret
 Limits (EnvConfig, SamplerConfig): at most env.max_turns assistant turns (then the episode is truncated); one
 sequence (segment) holds at most `context` = min(env.max_total_tokens, sampler.max_prompt_len +
 sampler.max_new_tokens) tokens, of which the opening prompt at most sampler.max_prompt_len and the sampled ones
-at most sampler.max_new_tokens. A turn is cut off at the room left (then truncated, as a single-turn completion
-at its token limit is).
+at most sampler.max_new_tokens. A turn is cut off at the room left, and an episode whose environment answer leaves
+no room for another turn ends before that answer (Trajectory.take_back_step): both are truncated, and trained
+with their reward, as a single-turn completion at its token limit is (env/truncated counts them).
 
 Failures fail that episode, never the run (EpisodeResult.failure, a ledger drop reason when a group cannot be
 trained): `env_error` (the factory, reset, step or reward raised, or returned something malformed),
-`env_timeout` (a call took longer than env.step_timeout_s), `context_limit` (the opening prompt, or the ids after
-an environment step, leave no room for another turn). close() failures are logged only.
+`env_timeout` (a call took longer than env.step_timeout_s), `context_limit` (the opening prompt does not fit
+sampler.max_prompt_len or leaves no room for a turn). close() failures are logged only.
 
 Environment calls run on one asyncio event loop on a thread of its own, at most env.concurrency at once, each
 within env.step_timeout_s; the driving thread (the actor) waits for them only when every turn has ended.
@@ -307,19 +308,18 @@ class EpisodeRunner:
                 e.fail("env_error", f"step() returned messages the renderer refuses: {exc}")
                 continue
             ids = trajectory.current_ids
+            sampled = 0 if new_segment else e.sampled_in_segment
+            too_long = len(ids) > self.max_prompt_len if new_segment else False
+            if too_long or min(self.context - len(ids), self.max_new_tokens - sampled) < 1:
+                # No room for the environment's answer and another turn: the episode ends before that answer, as
+                # max_turns ends one (its segments always fit the learner's rows).
+                trajectory.take_back_step()
+                e.over = True
+                self.stats["truncated_at_context"] += 1
+                continue
             if new_segment:
                 e.sampled_in_segment = 0
                 self.stats["segments_cut"] += 1
-                if len(ids) > self.max_prompt_len:
-                    e.fail("context_limit", f"a new segment's prompt (the history rendered again) has {len(ids)} "
-                                            f"tokens, more than sampler.max_prompt_len={self.max_prompt_len}")
-                    continue
-            if self._room(e) < 1:
-                e.fail("context_limit", f"after turn {trajectory.turns} the sequence holds {len(ids)} tokens, "
-                                        f"{e.sampled_in_segment} of them sampled: no room for another turn within "
-                                        f"{self.context} tokens (env.max_total_tokens, sampler.max_prompt_len + "
-                                        f"max_new_tokens) and sampler.max_new_tokens={self.max_new_tokens}")
-                continue
             appended[r], restart[r] = (ids, True) if new_segment or self.reprefill else (ids[e.fed:], False)
         return appended, restart
 
