@@ -373,20 +373,23 @@ def fetch_schema(env):
     return env.tools[0].schema
 
 
-def test_fetch_code_without_the_call_scores_chance_and_wrong_digits_cost_their_share():
+def test_fetch_code_without_the_call_scores_nothing_and_wrong_digits_cost_their_share():
     rows = make_fetch_code_dataset(200, seed=1)
     scores = []
     for i, row in enumerate(rows):
         _, trajectory, reward = fetch_episode(row, i, lambda ids: compact_turn("42"))
         assert trajectory.turns == 1 and reward["called"] == 0.0
         scores.append(sum(reward.values()))
-    assert 0.04 < np.mean(scores) < 0.15  # about 0.9 / 10
+    assert np.mean(scores) == 0.0  # the answer counts only once the model read fetch's: a guess earns nothing
     env = FetchCodeEnv()
     asyncio.run(env.reset(rows[0], 0))
     code = env.code
     wrong = "".join(str((int(d) + 1) % 10) for d in code)
+    # the answer's last number: digits right over the code's length, less 0.5 x (length off / code length, at
+    # most 1), at least 0
     for answer, correct in ((code, 0.9), (f" {code}\n", 0.9), (wrong, 0.0), (code[0] + wrong[1], 0.45),
-                            (code + "0", 0.6), (code[:1], 0.45), ("", 0.0), (f"code {code}", 0.0)):
+                            (code + "0", 0.9 * 0.75), (code[:1], 0.9 * 0.25), ("", 0.0), (f"code {code}", 0.9),
+                            (f"{code} or {wrong}", 0.0), (f"it is {code}.", 0.9)):
         policy = iter([compact_turn("<|c|>fetch"), compact_turn(answer)])
         _, trajectory, reward = fetch_episode(rows[0], 0, lambda ids: next(policy))
         assert reward == pytest.approx({"correct": correct, "called": 0.1}), answer
@@ -405,6 +408,6 @@ def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
         f"code {env.code}"]
     assert totals(trajectory) == (5, 3, 3, False) and len(trajectory.segments) == 1
     assert reward == pytest.approx({"correct": 0.8, "called": 0.2})
-    # Calling forever: truncated at max_turns without an answer, which earns nothing, the calls included.
+    # Calling forever: truncated at max_turns without an answer; the call credit is shared by the 3 calls.
     _, trajectory, reward = fetch_episode(row, 0, lambda ids: compact_turn("<|c|>fetch"), max_turns=3)
-    assert trajectory.truncated and reward == {"correct": 0.0, "called": 0.0}
+    assert trajectory.truncated and reward == pytest.approx({"correct": 0.0, "called": 0.1 / 3})

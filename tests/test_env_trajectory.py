@@ -128,3 +128,25 @@ def test_calls_out_of_order_are_refused_and_a_turn_without_its_end_of_turn_token
     assert trajectory.truncated and trajectory.ended
     with pytest.raises(ValueError, match="Segment: tokens, loss_mask, behaviour_logprobs, weight_versions differ"):
         Segment(tokens=(1, 2), loss_mask=(0,), behaviour_logprobs=(0.0, 0.0), weight_versions=(-1, -1))
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_take_back_step_undoes_the_last_step_and_ends_the_trajectory_truncated(cut):
+    """The engine's way out when the environment's answer does not fit: the trajectory is as it was before that
+    step (ids, messages, tool errors, segments), and ended."""
+    family = "qwen3" if cut else "qwen2"
+    renderer = make_renderer(family, tokenizer(family))
+    trajectory = Trajectory(renderer, OPENING, TOOLS)
+    sampler = Sampler(renderer)
+    sampler.add_turn(trajectory, sampled_text(family, calls=[("add", {"a": 2, "b": 3})], reasoning="Add."))
+    trajectory.add_step([tool_message("add", "5")])
+    sampler.add_turn(trajectory, sampled_text(family, "5 so far.", reasoning="Then divide."))
+    segments, messages, errors = trajectory.segments, list(trajectory.messages), trajectory.tool_errors
+    started = trajectory.add_step([{"role": "user", "content": "And divided by 4?"}], tool_errors=2)
+    assert started is cut and len(trajectory.segments) == len(segments) + cut
+    trajectory.take_back_step()
+    assert trajectory.segments == segments and trajectory.messages == messages
+    assert trajectory.tool_errors == errors and trajectory.cuts == [] and trajectory.truncated and trajectory.ended
+    assert_mask_is_the_sampled_tokens(trajectory, sampler.spans)
+    with pytest.raises(ValueError, match="no environment step"):
+        trajectory.take_back_step()

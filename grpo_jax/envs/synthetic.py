@@ -37,13 +37,18 @@ from the episode's seed and the row's id, so the row gives nothing away. The ope
 user message (after system_prompt, when one is given). The first turn without tool calls is the answer (the
 default step); a call with arguments, of another tool, or malformed is a tool error and the episode goes on.
 
-`reward()`: named parts {"correct", "called"} summing to at most 1.0. correct is (1 - call_credit) times the
-fraction of the code's digits the answer (the final turn's content, spaces stripped) has right, position by
-position, over the longer of the answer and the code (extra characters cost credit, as missing ones do); called
-is, once the model ended the episode with an answer, call_credit divided by the number of fetch calls that
-answered (calling again earns nothing), and half of it when the model only tried to call a tool (a
-call of another name, or one that could not be parsed): a model trained from scratch finds the call syntax by
-these steps, the answer's digits once fetch answers. A policy that never calls scores about (1 - call_credit) / 10.
+`reward()`: named parts {"correct", "called", "answered"}, at most 1.0 in all, shaped so that a model trained from
+scratch finds the behaviour step by step: the call, then answering with a number, then copying the code's digits.
+- called: call_credit shared by the fetch calls that answered, once the model read the code (wrote a turn after
+  fetch answered; calling again earns nothing); half of it for an episode that called fetch, or tried a tool call
+  (parsed or not) naming it, without reading its answer.
+- answered: answer_credit when the model, having read the code, answered with a number (any).
+- correct: (1 - call_credit - answer_credit) times the copy task's per-digit credit (digits_score) of the answer's
+  last number (its last run of digits): the code's digits it has right, position by position, over the code's
+  length, less 0.5 for a number whose length is off by the code's length or more (in proportion when less), never
+  below 0.
+correct and answered count only once the model read the code, so that a guess never competes with fetching it: a
+policy that never calls scores 0.
 """
 
 from __future__ import annotations
@@ -170,20 +175,26 @@ def make_fetch_code_dataset(n: int, seed: int) -> list[dict]:
 class FetchCodeEnv(Environment):
     """One argument-less tool whose answer is the code to answer with (module docstring)."""
 
-    def __init__(self, *, code_digits: int = 2, call_credit: float = 0.1, system_prompt: str = ""):
+    def __init__(self, *, code_digits: int = 2, call_credit: float = 0.1, answer_credit: float = 0.1,
+                 system_prompt: str = ""):
         if not (is_int(code_digits) and 1 <= code_digits <= 12):
             raise ValueError(f"fetch_code: code_digits={code_digits!r}: an integer from 1 to 12 (the code's "
                              "length; a guessed digit is right once in 10)")
         if not (is_number(call_credit) and 0 <= call_credit <= 1):
             raise ValueError(f"fetch_code: call_credit={call_credit!r}: a number from 0 to 1 (the reward for "
                              "calling fetch; the answer's digits share the rest of 1.0)")
+        if not (is_number(answer_credit) and 0 <= answer_credit <= 1 - call_credit):
+            raise ValueError(f"fetch_code: answer_credit={answer_credit!r}: a number from 0 to 1 - call_credit (the "
+                             "reward for answering with a number after reading the code)")
         if not isinstance(system_prompt, str):
             raise ValueError(f"fetch_code: system_prompt={system_prompt!r}: a str ('' for no system message)")
         self.code_digits, self.call_credit, self.system_prompt = code_digits, float(call_credit), system_prompt
+        self.answer_credit = float(answer_credit)
         self.tools = [Tool.from_function(self.fetch)]
         self.code: str | None = None
         self.fetches = 0  # calls of fetch that answered
-        self.tried = False  # the model wrote a tool call, answered or not
+        self.tried = False  # a turn tried a tool call and named fetch (the call may not have parsed)
+        self.read_code = False  # the model wrote a turn after fetch answered (it read the code)
         self.final_answer: str | None = None  # the content of the turn without tool calls, once there is one
 
     def fetch(self) -> str:
@@ -205,12 +216,14 @@ class FetchCodeEnv(Environment):
             raise ValueError(f"fetch_code: seed={seed!r}: an integer >= 0")
         # From the seed and the row's id: the same (row, seed) is the same episode; rows sharing a seed differ.
         self.code = _random_digits(np.random.default_rng([seed, row_id]), self.code_digits)
-        self.fetches, self.tried, self.final_answer = 0, False, None
+        self.fetches, self.tried, self.read_code, self.final_answer = 0, False, False, None
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
 
     async def step(self, turn: AssistantTurn) -> StepResult:
-        self.tried = self.tried or bool(turn.tool_calls) or turn.parse_error is not None
+        attempted = bool(turn.tool_calls) or turn.parse_error is not None
+        self.tried = self.tried or (attempted and "fetch" in turn.text)
+        self.read_code = self.read_code or self.fetches > 0  # this turn was written after fetch answered
         result = await super().step(turn)
         if result.done:
             self.final_answer = turn.content
@@ -218,11 +231,20 @@ class FetchCodeEnv(Environment):
 
     async def reward(self) -> dict[str, float]:
         answer, code = (self.final_answer or "").strip(), self.code or ""
-        right = sum(a == c for a, c in zip(answer, code))
-        fraction = right / max(len(answer), len(code), 1)
-        # Only for an episode the model finished with an answer (a call whose result it never read teaches it
-        # nothing), and shared by the calls, so that calling again earns nothing.
-        called = 0.0
-        if self.final_answer is not None:
-            called = self.call_credit / self.fetches if self.fetches else self.call_credit / 2 if self.tried else 0.0
-        return {"correct": (1 - self.call_credit) * fraction, "called": called}
+        fraction, answered = 0.0, 0.0
+        if self.read_code:  # only then: guessing the code must not compete with fetching it
+            # The answer's last number, scored with the copy task's per-digit credit (grpo_jax.data.tasks.
+            # digits_score): digits right, position by position, less half for a length off by the code's length
+            # or more; never below 0, so that reading the code never costs more than not reading it.
+            numbers = _DIGITS.findall(answer)
+            number = numbers[-1] if numbers else ""
+            answered = self.answer_credit if numbers else 0.0
+            right = sum(a == c for a, c in zip(number, code))
+            fraction = max(0.0, right / len(code) - 0.5 * min(1.0, abs(len(number) - len(code)) / len(code)))
+        # In full once the model read fetch's answer (an episode cut off before, by the error messages of a turn
+        # of junk calls, earns half), shared by the calls, so that calling again earns nothing.
+        called = self.call_credit / 2 if self.tried or self.fetches else 0.0
+        if self.read_code:
+            called = self.call_credit / self.fetches
+        return {"correct": (1 - self.call_credit - self.answer_credit) * fraction, "called": called,
+                "answered": answered}

@@ -246,7 +246,7 @@ class RunPlan:
         """The learner sequences one sample can make: 1, or with a multi-turn environment (config.env) its
         max_turns (a trajectory is cut into at most one segment per assistant turn; replay_buffer's
         SEGMENT_TRAJECTORY)."""
-        env = getattr(self.config, "env", None)  # Config.env: None, or an envs.environment.EnvConfig
+        env = self.config.env
         return 1 if env is None else max(1, int(env.max_turns))
 
     @property

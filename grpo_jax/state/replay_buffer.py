@@ -85,7 +85,7 @@ class ReplayBufferTimeout(TimeoutError):
 #   extras[SEGMENT_PROMPTS]     per segment: the prompt ids (the tokens before its first sampled token)
 #   extras[SEGMENT_MASKS]       per segment: [completion length] 0/1 (int8 or float32), 1 = sampled (trained)
 #   extras[SEGMENT_TRAJECTORY]  [S] int32: the trajectory of each segment
-# prompt["prompt_ids"] is the episode's opening prompt; the learner reads the segments' own prompts.
+# prompt["prompt_ids"] (the data path's tokenization of the row) is not trained: the segments have their own.
 SEGMENT_PROMPTS = "segment_prompts"
 SEGMENT_MASKS = "segment_masks"
 SEGMENT_TRAJECTORY = "segment_trajectory"
