@@ -90,7 +90,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def reset(self, row: dict, seed: int) -> list[dict]:
-        """The opening conversation for dataset row `row`; `seed` makes any randomness of the episode repeatable."""
+        """The opening conversation for dataset row `row`; `seed` makes any randomness of the episode repeatable.
+        The trainer gives the G episodes of a prompt the same seed: draw the task instance from it."""
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         """Run the turn's tool calls and answer with their results; a turn without any ends the episode."""

@@ -511,7 +511,10 @@ class Actor:
             part = prompts[start:start + per_batch]
             keys = self._sample_keys(part).reshape(-1, 2)
             rows = [p.record["row"] for p in part for _ in range(g)]
-            seeds = [int(k[0]) << 32 | int(k[1]) for k in keys]  # the episode's key: the same on a regeneration
+            # One seed per prompt, from its first sample's key (the same on a regeneration): the G episodes of a
+            # group face the same task instance (an environment's hidden state comes from the seed), so that
+            # group-relative advantages compare answers to the same question.
+            seeds = [int(keys[i - i % g][0]) << 32 | int(keys[i - i % g][1]) for i in range(len(keys))]
             began = time.perf_counter()
             results = self.sampler.run(rows, seeds, keys, between_calls=self._adopt_pending_weights,
                                        stopped=self._stop.is_set)
