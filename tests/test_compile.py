@@ -2,7 +2,7 @@
 the jax[tpu] test extra; without it these tests fail, they do not skip). The static sampler and the
 continuous engine (the default) are each compiled once on one host and once on two; the report fixtures
 compile in this process, except the engine's two-host one, which goes through the compiling child process
-as the command does."""
+as the command does. A multi-turn config (an env section) compiles the continuation engine's programs."""
 
 import io
 import json
@@ -507,3 +507,46 @@ def test_a_compiler_crash_is_one_line(capsys, monkeypatch):
     assert errors[0].startswith("grpo-jax: error: learner step: libtpu's compiler crashed while compiling it (SIGABRT)")
     assert "not a memory verdict" in errors[0] and "mesh.learner.fsdp" in errors[0]
     assert captured.out == ""
+
+
+# A multi-turn config (an env section): its actor runs episodes on the continuation engine. 8 episodes of up to 3
+# turns sharing 32 sampled tokens, in chunks of 8 steps; the actor on the learner's devices (mesh.actor_devices=0).
+MULTITURN = str(REPO / "configs" / "tiny_multiturn_cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def multiturn():
+    config = load_config(Config, MULTITURN, ["grpo.prompts_per_step=2", "grpo.group_size=4"])
+    return config, compile_run(config, "v5e:2x2", isolate=False)
+
+
+def test_an_env_config_compiles_the_continuation_engines_programs(multiturn):
+    config, report = multiturn
+    # context min(48, 16 + 32) = 48: extend buckets 16, 32, 64 (the widest), a cache of 128 columns per row.
+    assert [p.name for p in report.programs] == ["learner step", "continuation decode", "continuation extend 64",
+                                                 "continuation extend 16", "continuation compact"]
+    weights = param_bytes(config)
+    devices = report.program("learner step").devices
+    for program in report.programs[1:]:
+        assert program.actor and program.devices == devices
+        assert program.memory is not None and not program.refusal and 0 < program.total < report.topology.hbm_bytes
+        assert program.memory.aliased > 0  # the rows' state is donated
+        assert "the learner's parameters and optimizer state" in program.held_what  # on the learner's devices
+    decode, widest, smallest = (report.program(f"continuation {n}") for n in ("decode", "extend 64", "extend 16"))
+    for program in (decode, widest, smallest):
+        assert program.memory.arguments >= weights / devices
+    assert widest.memory.total > smallest.memory.total and widest.cost.flops > smallest.cost.flops
+    # The learner's devices also hold the actor's weights and the rows' state.
+    assert "continuation engine's rows" in report.program("learner step").held_what
+    # 8 episodes in one wave of 8 rows: 3 turns of ceil(29 / 3) = 10 decode steps, 2 chunks each; one extend per turn
+    # (the opening prompt's bucket is the smallest, 16); the widest extend and the compaction not in the step.
+    assert [p.calls_per_step for p in report.programs[1:]] == [6, 0, 3, 0]
+    # A chunk is costed as chunk_steps=8 decode steps of all 8 rows: 2 FLOPs per weight per row per step at least.
+    count = report.param_count
+    assert 2 * count * 8 * 8 <= decode.cost.flops * decode.devices <= 4 * 2 * count * 8 * 8
+    assert report.step.actor_seconds == pytest.approx(6 * decode.cost.seconds + 3 * smallest.cost.seconds)
+    text = format_report(report)
+    for words in ("continuation decode ", "continuation extend 64 ", "continuation compact ",
+                  "the environment's steps (on the host, between turns) are not counted",
+                  "the widest bucket (the whole context at once): the most memory; not in the step projection"):
+        assert words in text, words

@@ -1,7 +1,8 @@
 """The actor's programs compiled for a topology: the continuous engine's (decode chunk per bank size, admission,
 bank resizes, at the shapes Engine.warm_up compiles), or the static sampler's generate program, and the
-evaluation's generate. Each is built by its own class (Engine, Sampler) over the run description's abstract
-actor weights (RunPlan.actor_params) and slots (RunPlan.engine_slots), as the trainer builds it over real ones.
+evaluation's generate; with an env section, the continuation engine's (decode chunk, extend buckets, compaction).
+Each is built by its own class (Engine, Sampler, ContinuationEngine) over the run description's abstract actor
+weights (RunPlan.actor_params) and slots (RunPlan.engine_slots), as the trainer builds it over real ones.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from grpo_jax.parallel.sharding import DEFAULT_RULES, spec_for
 from grpo_jax.planning.programs import Compiled, Cost, Program, compile_one
 from grpo_jax.planning.topology import Topology
 from grpo_jax.planning.units import size_text
+from grpo_jax.rollout.continuation import MIN_APPEND_BUCKET, ContinuationEngine, TurnState
 from grpo_jax.rollout.engine import Engine, SlotState
+from grpo_jax.rollout.episodes import episode_context
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig, _bucket, _phase_ends, cache_layout, vocab_major_head
 from grpo_jax.rollout.weight_sync import narrowed
 from grpo_jax.run.plan import RunPlan, shard_bytes
@@ -448,3 +451,169 @@ def engine_hints(plan: RunPlan, engine: Engine, weights: int,
                      f"num_heads={plan.model.num_heads} (now {tensor}: every actor device holds the whole KV ring "
                      "of its slots)")
     return tuple(hints)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuationSetup:
+    """The continuation engine of one host's actor (a run with an env section), with abstract weights: what
+    continuation_programs compiles."""
+
+    engine: ContinuationEngine  # built under eval_shape: only its jitted programs and shapes are used
+    state: object  # abstract weights on the actor mesh
+    head: jax.ShapeDtypeStruct  # the vocab-major head, sharded as the actor's
+    adapters: object  # abstract LoRA adapters, or None
+    turn: TurnState  # ShapeDtypeStructs with the engine's shardings (ContinuationEngine.state_shardings)
+    widths: list  # the extend buckets: powers of two from MIN_APPEND_BUCKET to engine.columns // 2
+
+    @property
+    def state_bytes(self) -> int:
+        """Per device: the rows' TurnState (their KV caches above all), on the actor's devices for the whole run."""
+        return shard_bytes(self.turn)
+
+
+def continuation_setup(plan: RunPlan) -> ContinuationSetup:
+    """The ContinuationEngine the trainer builds on each host (episodes.make_episode_runner: sampler.slots or that
+    host's samples per step as rows, episode_context as context), built under eval_shape over abstract weights on
+    the actor mesh, and its TurnState in the layout its programs return it in (the KV cache as
+    sampler.cache_layout lays it out on the actor mesh, every other field replicated). Token ids (stop, pad) do
+    not change the programs' shapes."""
+    config, mesh = plan.config, plan.actor_mesh
+    graphdef, state = plan.actor_params()
+    adapter_graphdef, adapters = None, None
+    if config.lora.enabled:
+        adapter_graphdef, adapters = plan.actor_adapters()
+    made = []
+
+    def build(state, adapters):
+        lora = None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+        engine = ContinuationEngine(nnx.merge(graphdef, state), stop_ids=(0,), pad_id=0, config=config.sampler,
+                                    rows=plan.engine_slots, context=episode_context(config.env, config.sampler),
+                                    adapters=lora, mesh=mesh)
+        made.append(engine)
+        return engine._head, engine._turn
+
+    head, turn = jax.eval_shape(build, state, adapters)
+    engine = made[0]
+    engine.state, engine._head, engine.adapters = state, head, adapters  # no tracer outlives eval_shape
+    head = jax.ShapeDtypeStruct(
+        head.shape, head.dtype,
+        sharding=NamedSharding(mesh, spec_for(("vocab", "embed"), head.shape, mesh, DEFAULT_RULES)))
+    turn = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), turn,
+                        engine.state_shardings)
+    engine._turn = turn
+    widths = [MIN_APPEND_BUCKET]
+    while widths[-1] < engine.columns // 2:
+        widths.append(2 * widths[-1])
+    return ContinuationSetup(engine, state, head, adapters, turn, widths)
+
+
+def continuation_programs(plan: RunPlan, topology: Topology, setup: ContinuationSetup,
+                          learner_held: int) -> list[Program]:
+    """The continuation engine's programs (ContinuationEngine._decode, _extend, _compact: its own jitted
+    functions) on one host's actor mesh, for a run with an env section:
+
+    - `continuation decode`: a chunk of sampler.chunk_steps decode steps of every row;
+    - `continuation extend <width>`: appended ids prefilled into every row, at the widest bucket (the whole
+      context at once: the most memory) and at the smallest (a turn's appended ids: the common case), and at the
+      opening prompt's bucket (sampler.max_prompt_len) when it is neither;
+    - `continuation compact`: every row's keys moved to the front of its cache (a gather, no model compute).
+
+    Cost: the decode chunk as one decode step (steps=1: XLA counts a loop body once) times chunk_steps. Time per
+    learner step, a floor that leaves out the environment (its steps run on the host, between the turns): the
+    host's samples run as episodes in waves of engine.rows; in each, every episode takes env.max_turns turns and
+    samples sampler.max_new_tokens tokens split evenly over them (each turn's first token drawn by its extend,
+    a turn's last partial chunk counted whole); one extend per turn, the opening at the prompt's bucket and the
+    others at the smallest. The widest extend and the compaction (when the clock reaches the last column) are
+    not in the projection."""
+    config = plan.config
+    cfg, env, mesh = config.sampler, config.env, plan.actor_mesh
+    engine, state, head, adapters, turn = setup.engine, setup.state, setup.head, setup.adapters, setup.turn
+    rows = engine.rows
+    replicated = NamedSharding(mesh, PartitionSpec())
+    static = engine.sampling.static
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    scalars = (sds((), jnp.float32), sds((), jnp.float32))
+    weights = shard_bytes(state)
+    held, held_what = weights, "the next weights, delivered while sampling"
+    if adapters is not None:
+        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
+    if plan.shared:
+        held += learner_held
+        held_what += ", the learner's parameters and optimizer state"
+    hints = continuation_hints(plan, engine, weights, topology)
+
+    # Every episode: max_turns turns sharing max_new_tokens sampled tokens, in waves of `rows` episodes.
+    waves = -(-plan.actor_rows // rows)
+    turns = max(1, env.max_turns)
+    per_turn = -(-max(cfg.max_new_tokens - turns, 0) // turns)  # decode steps of one turn
+    chunk_calls = waves * turns * -(-per_turn // cfg.chunk_steps)
+    opening = min(_bucket(cfg.max_prompt_len, MIN_APPEND_BUCKET), setup.widths[-1])
+    common = "; the environment's steps (on the host, between turns) are not counted"
+    programs = []
+
+    decode = compile_one(engine._decode, (state, head, adapters, turn, *scalars), topology,
+                         dict(static, steps=cfg.chunk_steps), label="continuation decode")
+    seconds, cost, cost_note, notes = decode.seconds, None, "", ()
+    if decode.memory is not None:
+        step = compile_one(engine._decode, (state, head, adapters, turn, *scalars), topology, dict(static, steps=1),
+                           label="continuation decode (one decode step alone, for its cost)")
+        seconds += step.seconds
+        if step.cost is None:
+            cost_note = f"one decode step alone was refused: {step.refusal}"
+        else:
+            cost = step.cost * cfg.chunk_steps
+            notes = (f"one decode step of {rows} rows x chunk_steps={cfg.chunk_steps} per call; {chunk_calls} call(s) "
+                     f"per step: {plan.actor_rows} episodes in {waves} wave(s), each env.max_turns={env.max_turns} "
+                     f"turns sampling max_new_tokens={cfg.max_new_tokens} tokens in all{common}",)
+    programs.append(Program("continuation decode", mesh.size, decode.memory, held, held_what, cost, chunk_calls,
+                            seconds, decode.refusal, hints, cost_note, actor=True, notes=notes))
+
+    def extend(width: int) -> Compiled:
+        row_args = (sds((rows, width), jnp.int32), sds((rows, width), jnp.bool_), sds((rows,), jnp.bool_),
+                    sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+        return compile_one(engine._extend, (state, head, adapters, turn, *row_args, *scalars), topology, static,
+                           label=f"continuation extend {width}")
+
+    smallest, widest = setup.widths[0], setup.widths[-1]
+    calls = dict.fromkeys((widest, opening, smallest), 0)  # width -> calls per step
+    calls[opening] += waves
+    calls[smallest] += waves * (turns - 1)
+    for width, n in calls.items():
+        compiled = extend(width)
+        roles = [role for w, role in ((widest, "the widest bucket (the whole context at once): the most memory"),
+                                      (opening, f"the opening prompt's bucket (sampler.max_prompt_len="
+                                                f"{cfg.max_prompt_len})"),
+                                      (smallest, "the smallest bucket (a turn's appended ids)")) if w == width]
+        calls_text = f"{n} call(s) per step{common}" if n else "not in the step projection"
+        notes = ("; ".join([*roles, calls_text]),)
+        programs.append(Program(f"continuation extend {width}", mesh.size, compiled.memory, held, held_what,
+                                compiled.cost, n, compiled.seconds, compiled.refusal, hints, actor=True, notes=notes))
+
+    compact = compile_one(engine._compact, (turn,), topology, label="continuation compact")
+    # Not an argument of the compaction, but on its devices: the weights and head the other programs use.
+    compact_held = held + weights + shard_bytes(head)
+    programs.append(Program("continuation compact", mesh.size, compact.memory, compact_held,
+                            "the engine's weights and head, " + held_what, compact.cost, 0, compact.seconds,
+                            compact.refusal, hints, actor=True,
+                            notes=(f"when the clock reaches the last of {engine.columns} columns; not in the step "
+                                   "projection",)))
+    return programs
+
+
+def continuation_hints(plan: RunPlan, engine: ContinuationEngine, weights: int,
+                       topology: Topology) -> tuple[str, ...]:
+    """Settings that shrink the continuation engine's programs: the weights first (as sampler_hints), then the
+    rows' KV caches (engine.columns each: twice the context's bucket)."""
+    config = plan.config
+    cfg, env = config.sampler, config.env
+    hints = sampler_hints(plan, weights, topology)
+    if 2 * weights > topology.hbm_bytes:
+        return hints
+    now = f"now {engine.rows}" + ("" if cfg.slots else ": 0 means prompts_per_step / hosts x group_size")
+    return (f"fewer sampler.slots ({now}; each row holds a KV cache of {engine.columns} columns, twice the bucket of "
+            f"its context of {engine.context} tokens)",
+            f"a smaller env.max_total_tokens={env.max_total_tokens} or sampler.max_prompt_len + max_new_tokens "
+            f"({cfg.max_prompt_len} + {cfg.max_new_tokens}): the context", hints[-1])

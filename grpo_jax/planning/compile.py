@@ -7,7 +7,8 @@ compiled for it (the modules beside this one):
 - topology.py: the slice's devices, described by libtpu without a TPU, and its chip figures;
 - programs.py: compile_one, and the learner step and the weight sync (its stages on several hosts; the copy
   onto the actor's devices, a transfer counted at the ICI figure);
-- actor_programs.py: the continuous engine's programs, or the static sampler's generate, and evaluation's;
+- actor_programs.py: the continuous engine's programs, or the static sampler's generate, and evaluation's; with
+  an env section, the continuation engine's (multi-turn episodes);
 - compile_cache.py: what each program's compile found, kept on disk, so that no program is compiled twice;
 - report.py: the step projection (rooflines: max(FLOPs / peak, bytes / HBM bandwidth) per device and loop
   body, times its trip count; collectives and host work are not counted, so a lower bound), the table, and
@@ -41,7 +42,14 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache as 
 from grpo_jax.errors import UserError
 from grpo_jax.model.transformer import DTYPES
 from grpo_jax.planning import programs
-from grpo_jax.planning.actor_programs import engine_programs, engine_setup, eval_program, sampler_program
+from grpo_jax.planning.actor_programs import (
+    continuation_programs,
+    continuation_setup,
+    engine_programs,
+    engine_setup,
+    eval_program,
+    sampler_program,
+)
 from grpo_jax.planning.programs import learner_program, sync_parts
 from grpo_jax.planning.report import Report, describe_layout, project_step
 from grpo_jax.planning.topology import tpu_topology
@@ -212,18 +220,24 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
     _, actor_weights = plan.actor_params()
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(actor_weights))
     # What the other side keeps on shared devices (mesh.actor_devices=0): the actor's weights and head, and the
-    # continuous engine's slot state.
+    # continuous or continuation engine's state.
     head_bytes = model.vocab_size * model.hidden_size * np.dtype(DTYPES[model.dtype]).itemsize
     actor_bytes = shard_bytes(actor_weights) + head_bytes // plan.actor_mesh.shape["tensor"]
     actor_what = "the actor's copy of the weights"
-    setup = None
-    if config.sampler.engine == "continuous":
+    setup, continuation = None, None
+    if config.env is not None:  # episodes on the continuation engine, whatever sampler.engine says
+        continuation = continuation_setup(plan)
+        actor_bytes += continuation.state_bytes
+        actor_what += " and its continuation engine's rows"
+    elif config.sampler.engine == "continuous":
         setup = engine_setup(plan)
         actor_bytes += setup.state_bytes
         actor_what += " and its engine's slot state"
     with without_jax_cache():
         learner, learner_state = learner_program(plan, topology, actor_bytes, actor_what)
-        if setup is not None:
+        if continuation is not None:
+            actor = continuation_programs(plan, topology, continuation, sum(learner_state.values()))
+        elif setup is not None:
             actor = engine_programs(plan, topology, setup, sum(learner_state.values()))
         else:
             actor = [sampler_program(plan, topology, sum(learner_state.values()))]

@@ -115,6 +115,7 @@ def describe_layout(plan: RunPlan) -> str:
 
 def format_report(report: Report) -> str:
     t, m = report.topology, report.model
+    width = max([20, *(len(p.name) + 2 for p in report.programs)])  # the program column: 20, or the longest name
     hosts = f"{t.processes} host{'s' if t.processes > 1 else ''}"
     lines = [
         f"{report.config_path or 'config'} on {t.name}: {len(t.devices)} {t.chip.name} devices, {hosts}; per device "
@@ -126,14 +127,14 @@ def format_report(report: Report) -> str:
         "",
         "per device (bytes in K/M/G/T of 2^10/2^20/2^30/2^40): memory (args + out - alias + temp + code + held = "
         "total), FLOPs and HBM bytes per call",
-        f"{'program':<20}{'devices':>8}{'args':>7}{'out':>7}{'alias':>7}{'temp':>7}{'code':>7}{'held':>7}"
+        f"{'program':<{width}}{'devices':>8}{'args':>7}{'out':>7}{'alias':>7}{'temp':>7}{'code':>7}{'held':>7}"
         f"{'total':>7}{'HBM':>7}{'fits':>6}{'FLOPs':>8}{'bytes':>8}{'roofline':>11}{'calls':>6}{'compile':>9}",
     ]
     for p in report.programs:
         mem, cost = p.memory, p.cost
         fits = "no" if p.total is None or p.total > t.hbm_bytes else "yes"
         lines.append(
-            f"{p.name:<20}{p.devices:>8}{size_text(mem and mem.arguments):>7}{size_text(mem and mem.outputs):>7}"
+            f"{p.name:<{width}}{p.devices:>8}{size_text(mem and mem.arguments):>7}{size_text(mem and mem.outputs):>7}"
             f"{size_text(mem and mem.aliased):>7}{size_text(mem and mem.temporaries):>7}"
             f"{size_text(mem and mem.code):>7}{size_text(p.held):>7}{size_text(p.total):>7}{size_text(t.hbm_bytes):>7}"
             f"{fits:>6}{count_text(cost and cost.flops):>8}{size_text(cost and cost.bytes):>8}"

@@ -356,6 +356,11 @@ class EpisodeRunner:
                 logger.warning("environment close() raised %s: %s", type(exc).__name__, _one_line(str(exc)))
 
 
+def episode_context(env_config: EnvConfig, sampler_config: SamplerConfig) -> int:
+    """The most tokens one sequence (segment) of an episode holds: the continuation engine's context."""
+    return min(env_config.max_total_tokens, sampler_config.max_prompt_len + sampler_config.max_new_tokens)
+
+
 def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, model, tokenizer: Tokenizer, *,
                         rows: int, adapters=None, version: int = 0) -> EpisodeRunner:
     """The actor's generator for a run with an environment: the renderer of env.renderer (or the model's family),
@@ -364,9 +369,8 @@ def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, mo
     make_environment(env_config)
     renderer = make_renderer(renderer_family(env_config, model.config.architecture), tokenizer,
                              **env_config.renderer_options)
-    context = min(env_config.max_total_tokens, sampler_config.max_prompt_len + sampler_config.max_new_tokens)
     engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler_config,
-                                rows=sampler_config.slots or rows, context=context, adapters=adapters,
-                                version=version)
+                                rows=sampler_config.slots or rows, context=episode_context(env_config, sampler_config),
+                                adapters=adapters, version=version)
     return EpisodeRunner(engine, renderer, env_config, lambda: make_environment(env_config),
                          max_prompt_len=sampler_config.max_prompt_len, max_new_tokens=sampler_config.max_new_tokens)
