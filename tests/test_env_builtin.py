@@ -354,7 +354,7 @@ def test_fetch_code_reset_is_deterministic_in_the_row_and_the_seed_and_the_tool_
 def test_fetch_code_a_perfect_episode_scores_one_in_six_sampled_tokens():
     row = make_fetch_code_dataset(1, seed=0)[0]
     env, trajectory, reward = fetch_episode(row, 5, fetching_policy)
-    assert reward == {"correct": 0.9, "called": 0.1} and sum(reward.values()) == 1.0
+    assert reward == pytest.approx({"correct": 0.8, "called": 0.1, "answered": 0.1}) and sum(reward.values()) == 1.0
     assert totals(trajectory) == (2, 1, 0, False)
     segment, = trajectory.segments
     tok = COMPACT.tokenizer
@@ -365,8 +365,8 @@ def test_fetch_code_a_perfect_episode_scores_one_in_six_sampled_tokens():
     assert list(segment.tokens) == tok.encode(COMPACT.render(trajectory.messages, [fetch_schema(env)], False))
     # 4 digits: 2 more sampled, 4 more in all
     env, trajectory, reward = fetch_episode(row, 5, fetching_policy, code_digits=4)
-    assert (len(trajectory.segments[0].tokens), sum(trajectory.segments[0].loss_mask), reward["correct"]) == (
-        27, 8, 0.9)
+    assert (len(trajectory.segments[0].tokens), sum(trajectory.segments[0].loss_mask)) == (27, 8)
+    assert reward["correct"] == pytest.approx(0.8)
 
 
 def fetch_schema(env):
@@ -386,13 +386,14 @@ def test_fetch_code_without_the_call_scores_nothing_and_wrong_digits_cost_their_
     code = env.code
     wrong = "".join(str((int(d) + 1) % 10) for d in code)
     # the answer's last number: digits right over the code's length, less 0.5 x (length off / code length, at
-    # most 1), at least 0
-    for answer, correct in ((code, 0.9), (f" {code}\n", 0.9), (wrong, 0.0), (code[0] + wrong[1], 0.45),
-                            (code + "0", 0.9 * 0.75), (code[:1], 0.9 * 0.25), ("", 0.0), (f"code {code}", 0.9),
-                            (f"{code} or {wrong}", 0.0), (f"it is {code}.", 0.9)):
+    # most 1), at least 0, times 0.8; answered (0.1) for any number
+    for answer, correct in ((code, 1.0), (f" {code}\n", 1.0), (wrong, 0.0), (code[0] + wrong[1], 0.5),
+                            (code + "0", 0.75), (code[:1], 0.25), ("", None), (f"code {code}", 1.0),
+                            (f"{code} or {wrong}", 0.0), (f"it is {code}.", 1.0)):
         policy = iter([compact_turn("<|c|>fetch"), compact_turn(answer)])
         _, trajectory, reward = fetch_episode(rows[0], 0, lambda ids: next(policy))
-        assert reward == pytest.approx({"correct": correct, "called": 0.1}), answer
+        expected = {"correct": 0.8 * (correct or 0.0), "called": 0.1, "answered": 0.0 if correct is None else 0.1}
+        assert reward == pytest.approx(expected), answer
 
 
 def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
@@ -407,7 +408,7 @@ def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
         "Error: tool call 1: expected `name k=v ...` after <|c|>, got 'fetch()'",
         f"code {env.code}"]
     assert totals(trajectory) == (5, 3, 3, False) and len(trajectory.segments) == 1
-    assert reward == pytest.approx({"correct": 0.8, "called": 0.2})
+    assert reward == pytest.approx({"correct": 0.7, "called": 0.2, "answered": 0.1})
     # Calling forever: truncated at max_turns without an answer; the call credit is shared by the 3 calls.
     _, trajectory, reward = fetch_episode(row, 0, lambda ids: compact_turn("<|c|>fetch"), max_turns=3)
-    assert trajectory.truncated and reward == pytest.approx({"correct": 0.0, "called": 0.1 / 3})
+    assert trajectory.truncated and reward == pytest.approx({"correct": 0.0, "called": 0.1 / 3, "answered": 0.0})

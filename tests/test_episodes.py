@@ -77,7 +77,7 @@ def test_episodes_are_token_in_token_out(engine, tokenizer, model):
         checked += len(sampled)
     assert checked > 50
     # every episode has a reward (fetch_code's parts) and its environment time counted
-    assert all(np.isfinite(r.reward) and set(r.reward_parts) == {"correct", "called"} for r in results)
+    assert all(np.isfinite(r.reward) and set(r.reward_parts) == {"correct", "called", "answered"} for r in results)
     assert all(r.env_seconds > 0 for r in results)
 
 

@@ -76,16 +76,9 @@ def sampler_program(plan: RunPlan, topology: Topology, learner_held: int,
     whole = compile_one(sampler._generate, args, topology, dict(static, adapters=adapters), label="sampler generate")
 
     weights = shard_bytes(state)
-    # The learner delivers new weights (with LoRA, adapters) while the actor still samples with the old ones.
-    held, held_what = weights, "the next weights, delivered while sampling"
-    if adapters is not None:
-        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
-    if whole.memory is not None and calls > 1:
-        held += (calls - 1) * whole.memory.outputs
-        held_what += f", outputs of the other {calls - 1} call(s)"
-    if plan.shared:
-        held += learner_held
-        held_what += ", the learner's parameters and optimizer state"
+    other = (calls - 1) * whole.memory.outputs if whole.memory is not None and calls > 1 else 0
+    held, held_what = actor_held(plan, state, adapters, learner_held, other,
+                                 f"outputs of the other {calls - 1} call(s)")
     hints = sampler_hints(plan, weights, topology)
     if whole.memory is None:
         return Program("sampler generate", mesh.size, None, held, held_what, None, calls, whole.seconds,
@@ -296,6 +289,21 @@ def engine_setup(plan: RunPlan) -> EngineSetup:
                        sizes, plens, rows)
 
 
+def actor_held(plan: RunPlan, state, adapters, learner_held: int, other: int = 0,
+               other_what: str = "") -> tuple[int, str]:
+    """Bytes the actor's devices hold beside a generation program, and what they are: the next weights (with
+    LoRA, adapters), which the learner delivers while the old ones still sample; `other` (other_what); with shared
+    chips, the learner's parameters and optimizer state (learner_held)."""
+    held, held_what = shard_bytes(state), "the next weights, delivered while sampling"
+    if adapters is not None:
+        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
+    if other:
+        held, held_what = held + other, f"{held_what}, {other_what}"
+    if plan.shared:
+        held, held_what = held + learner_held, f"{held_what}, the learner's parameters and optimizer state"
+    return held, held_what
+
+
 def _worst(compiled: list) -> Compiled:
     """The one that needs the most memory (a refusal first)."""
     return max(compiled, key=lambda c: math.inf if c.memory is None else c.memory.total)
@@ -330,17 +338,10 @@ def engine_programs(plan: RunPlan, topology: Topology,
     scalars = (sds((), jnp.float32), sds((), jnp.float32))
     weights = shard_bytes(state)
     head_bytes = shard_bytes(head)
-    # The learner delivers new weights (with LoRA, adapters) while the engine still decodes with the old ones;
-    # the other banks' slot states stay on the same devices.
-    held, held_what = weights, "the next weights, delivered while sampling"
-    if adapters is not None:
-        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
-    if engine.num_banks > 1:
-        held += (engine.num_banks - 1) * setup.bank_bytes
-        held_what += f", the other {engine.num_banks - 1} bank(s)' slot state"
-    if plan.shared:
-        held += learner_held
-        held_what += ", the learner's parameters and optimizer state"
+    # The other banks' slot states stay on the same devices.
+    other_banks = (engine.num_banks - 1) * setup.bank_bytes
+    held, held_what = actor_held(plan, state, adapters, learner_held, other_banks,
+                                 f"the other {engine.num_banks - 1} bank(s)' slot state")
     hints = engine_hints(plan, engine, weights, topology)
 
     # When every sample decodes to max_new_tokens, the slots fill and empty in waves.
@@ -537,12 +538,7 @@ def continuation_programs(plan: RunPlan, topology: Topology, setup: Continuation
 
     scalars = (sds((), jnp.float32), sds((), jnp.float32))
     weights = shard_bytes(state)
-    held, held_what = weights, "the next weights, delivered while sampling"
-    if adapters is not None:
-        held, held_what = shard_bytes(adapters), "the next adapters, delivered while sampling"
-    if plan.shared:
-        held += learner_held
-        held_what += ", the learner's parameters and optimizer state"
+    held, held_what = actor_held(plan, state, adapters, learner_held)
     hints = continuation_hints(plan, engine, weights, topology)
 
     # Every episode: max_turns turns sharing max_new_tokens sampled tokens, in waves of `rows` episodes.
