@@ -312,7 +312,7 @@ def _bare_actor(sampler):
 
     from grpo_jax.rollout.actor import Actor
     actor = object.__new__(Actor)  # only the side-job machinery: no model, data or thread
-    actor.sampler, actor.streaming, actor._version = sampler, True, sampler.version
+    actor.sampler, actor.streaming, actor.episodic, actor._version = sampler, True, False, sampler.version
     actor._pending, actor._pushed, actor.lockstep = None, {}, None
     actor._cond, actor._stop, actor._side_jobs = threading.Condition(), threading.Event(), collections.deque()
     return actor

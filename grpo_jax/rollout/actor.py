@@ -592,9 +592,12 @@ class Actor:
         if not handouts or self.reward_error_streak < handouts * self._rows:
             return
         self.error = TrainerError(
-            f"stopped: none of the last {self.reward_error_streak} prompts could be trained, because the rewards "
-            "(or the environment's episodes) failed on their samples (a group needs 2 scored samples); last error: "
-            f"{self.last_reward_error}; fix the reward (each drop's detail in events.jsonl says how it failed), or "
+            f"stopped: none of the last {self.reward_error_streak} prompts could be trained, because "
+            + ("the environment failed their episodes (a group needs 2 episodes that did not fail)" if self.episodic
+               else "the rewards failed on their samples (a group needs 2 scored samples)")
+            + f"; last error: {self.last_reward_error}; fix the "
+            + ("environment" if self.episodic else "reward")
+            + " (each drop's detail in events.jsonl says how it failed), or "
             f"raise trainer.reward_error_handouts (now {handouts} handouts of {self._rows} prompts; 0: never stop "
             "for this)")
         self.buffer.close(error=self.error)
