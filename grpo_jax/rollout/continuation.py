@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.transformer import rope_inverse_frequencies
-from grpo_jax.rollout.engine import Sampling
+from grpo_jax.rollout.engine import Sampling, draw_uniforms
 from grpo_jax.rollout.sampler import SamplerConfig, _bucket, cache_layout, vocab_major_head, weights_mesh
 
 MIN_APPEND_BUCKET = 16  # appended ids are padded to powers of two from here (one extend program per bucket)
@@ -121,8 +121,7 @@ class ContinuationEngine:
                                 **({} if mesh is None else {"out_shardings": self.state_shardings}))
         self._empty = jax.jit(self._empty_impl, static_argnums=(0, 1),
                               **({} if mesh is None else {"out_shardings": self.state_shardings}))
-        self._turn = self._empty(self.rows, self.columns)
-        self._clock = 0  # the host's copy of the device clock: when to compact
+        self.reset()
         self.stats = {"extend_calls": 0, "extend_tokens": 0, "decode_calls": 0, "decode_steps": 0, "compactions": 0}
 
     # -- weights --
@@ -142,7 +141,11 @@ class ContinuationEngine:
     def reset(self) -> None:
         """Every row empty and idle (a new batch of episodes)."""
         self._turn = self._empty(self.rows, self.columns)
+        # Host copies of what the last program left on the device (fetched with its tokens, so that the driving
+        # loop needs no extra device sync): the clock (when to compact), which rows' turns go on, their draws.
         self._clock = 0
+        self._active = np.zeros(self.rows, bool)
+        self._generated = np.zeros(self.rows, np.int32)
 
     def extend(self, appended: Sequence[Sequence[int] | None], restart: Sequence[bool], keys: np.ndarray,
                turn_tokens: Sequence[int]) -> Drawn:
@@ -175,33 +178,32 @@ class ContinuationEngine:
         self._clock += width
         self.stats["extend_calls"] += 1
         self.stats["extend_tokens"] += int(lengths.sum())
-        token, logprob, active = jax.device_get((token, logprob, self._turn.active))
+        token, logprob, self._active, self._generated = (np.asarray(x) for x in jax.device_get(
+            (token, logprob, self._turn.active, self._turn.generated)))
         extending = lengths > 0
-        return Drawn(tokens=np.asarray(token, np.int32)[:, None], logprobs=np.asarray(logprob, np.float32)[:, None],
-                     count=extending.astype(np.int32), ended=extending & ~np.asarray(active), version=self.version)
+        return Drawn(tokens=token.astype(np.int32)[:, None], logprobs=logprob.astype(np.float32)[:, None],
+                     count=extending.astype(np.int32), ended=extending & ~self._active, version=self.version)
 
     def decode(self) -> Drawn:
         """One chunk of up to sampler.chunk_steps decode steps for the rows whose turn is going on."""
         steps = self.config.chunk_steps
         self._make_room(steps)
-        before, generated = jax.device_get((self._turn.active, self._turn.generated))
+        before, generated = self._active, self._generated
         self._turn, tokens, logprobs, ran = self._decode(
             self.state, self._head, self.adapters, self._turn, *self.sampling.scalars, steps=steps,
             **self.sampling.static)
-        tokens, logprobs, ran, active, now = jax.device_get((tokens, logprobs, ran, self._turn.active,
-                                                              self._turn.generated))
+        tokens, logprobs, ran, self._active, self._generated = (np.asarray(x) for x in jax.device_get(
+            (tokens, logprobs, ran, self._turn.active, self._turn.generated)))
         self._clock += int(ran)
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(ran)
-        before = np.asarray(before)
-        return Drawn(tokens=np.asarray(tokens), logprobs=np.asarray(logprobs),
-                     count=(np.asarray(now) - np.asarray(generated)).astype(np.int32),
-                     ended=before & ~np.asarray(active),
-                     version=self.version)
+        return Drawn(tokens=tokens, logprobs=logprobs, count=(self._generated - generated).astype(np.int32),
+                     ended=before & ~self._active, version=self.version)
 
     @property
     def any_active(self) -> bool:
-        return bool(jax.device_get(self._turn.active).any())
+        """Whether some row's turn goes on (after the last program; no device sync)."""
+        return bool(self._active.any())
 
     def _make_room(self, width: int) -> None:
         if self._clock + width > self.columns:
@@ -226,10 +228,6 @@ class ContinuationEngine:
                          generated=jnp.zeros((rows,), jnp.int32), limit=jnp.zeros((rows,), jnp.int32),
                          keys=jnp.zeros((rows, 2), jnp.uint32), clock=jnp.zeros((), jnp.int32))
 
-    def _draw(self, keys, index):
-        return jax.vmap(lambda k, t: jax.random.uniform(
-            jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
-
     def _layers(self, model, lora, x, positions, attend, cache, write_index):
         """The model's layers over x [R, T, E] writing columns write_index.. of the cache; attend [R, T, C]."""
         inv_freq = rope_inverse_frequencies(model.config)
@@ -242,7 +240,7 @@ class ContinuationEngine:
 
     def _sample(self, head, hidden, keys, index, temperature, top_p, greedy, top_k, use_top_p):
         logits = jnp.einsum("ve,re->vr", head, hidden, preferred_element_type=jnp.float32)
-        return sample_logits(logits, self._draw(keys, index), temperature, top_p, greedy=greedy, top_k=top_k,
+        return sample_logits(logits, draw_uniforms(keys, index), temperature, top_p, greedy=greedy, top_k=top_k,
                              use_top_p=use_top_p, vocab_major=True)
 
     def _extend_impl(self, params, head, adapters, state: TurnState, tokens, mask, restart, keys, turn_tokens,

@@ -72,6 +72,13 @@ DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses pr
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
 
 
+def draw_uniforms(keys, index):
+    """[S] uniforms: draw `index[s]` of row s from fold_in(key[s], index[s]) (raw key data [S, 2]), as the static
+    sampler's row draws its token `index[s]`: what a sequence samples depends on its key, not on its batch."""
+    return jax.vmap(lambda k, t: jax.random.uniform(
+        jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
+
+
 class SlotState(NamedTuple):
     """One bank's slots on the device (S slots, L ring columns)."""
 
@@ -650,11 +657,6 @@ class Engine:
             return cache
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.cache_sharding), cache)
 
-    def _draw(self, keys, index):
-        """[S] uniforms: token `index[s]` of slot s draws from fold_in(key[s], index[s]), as in the static sampler."""
-        return jax.vmap(lambda k, t: jax.random.uniform(
-            jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
-
     def _admit_impl(self, params, head, adapters, state: SlotState, tokens, mask, slot, source, keys, limit,
                     temperature, top_p, *, greedy, top_k, use_top_p):
         """Prefill the prompts [R, P] once, copy each entry's prompt keys/values into its slot (the P ring
@@ -668,8 +670,8 @@ class Engine:
             tokens, positions_from_mask(mask), mask, self._pinned(model.init_cache(rows, plen, self.cache_heads)), 0,
             adapters=lora)
         logits = jnp.einsum("ve,re->vr", head, hidden[:, -1], preferred_element_type=jnp.float32)
-        token, logprob = sample_logits(logits[:, source], self._draw(keys, jnp.zeros_like(limit)), temperature, top_p,
-                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
+        token, logprob = sample_logits(logits[:, source], draw_uniforms(keys, jnp.zeros_like(limit)), temperature,
+                                       top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
         # An empty bank restarts its ring at 0: a batch that starts on empty slots is then laid out the same way
         # whatever ran before it (the order of attention's sums, and so the last bits, depends on the columns),
         # e.g. in a resumed run.
@@ -749,7 +751,7 @@ class Engine:
                                                            (0, j, 0, 0))
             hidden = model.final_norm(x)[:, 0]
             logits = jnp.einsum("ve,se->vs", head, hidden, preferred_element_type=jnp.float32)
-            token, logprob = sample_logits(logits, self._draw(st.keys, st.generated), temperature, top_p,
+            token, logprob = sample_logits(logits, draw_uniforms(st.keys, st.generated), temperature, top_p,
                                            greedy=greedy, top_k=top_k, use_top_p=use_top_p, vocab_major=True)
             live = ~st.done
             token = jnp.where(live, token, self.pad_id)
