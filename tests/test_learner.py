@@ -562,3 +562,46 @@ def test_a_learner_step_with_chunked_logprobs_equals_the_unchunked_one(model_con
     tolerance = 1e-5 if model_config.dtype == "float32" else 1e-2
     assert moved > 1e-3 and max_param_diff(params_of(learners[0]), params_of(learners[1])) < tolerance * moved
     assert whole["loss"] == pytest.approx(chunked["loss"], abs=1e-5 if model_config.dtype == "float32" else 1e-3)
+
+
+# ------------------------------------------------------------------ the entropy bonus (loss.entropy_coef)
+
+
+@pytest.mark.parametrize("top_k, top_p, temperature", [(0, 1.0, 1.0), (0, 0.9, 1.3), (6, 1.0, 0.7)])
+def test_entropy_gradient_matches_numpy_and_stays_finite_under_truncation(top_k, top_p, temperature):
+    from grpo_jax.algorithm.sampling import tempered_logprobs
+    rng = np.random.default_rng(top_k + int(10 * top_p))
+    logits = rng.normal(0, 2.0, (5, 30)).astype(np.float32)
+    weights = rng.normal(size=5).astype(np.float32)
+    targets = np.argmax(logits, axis=-1)  # always kept
+
+    def weighted_entropy(x):
+        return jnp.sum(tempered_logprobs(x, jnp.asarray(targets), temperature, top_k, top_p, with_entropy=True)[1]
+                       * weights)
+
+    grad = np.asarray(jax.grad(weighted_entropy)(jnp.asarray(logits)))
+    assert np.all(np.isfinite(grad))
+    # dH/dz_i = -p_i (log p_i + H) over the kept set (0 outside it), with z = logits / temperature.
+    expected = np.zeros_like(grad, dtype=np.float64)
+    for row in range(5):
+        logp = _filtered_logprobs(logits[row], temperature, top_k, top_p)
+        kept = np.isfinite(logp)
+        p = np.where(kept, np.exp(np.where(kept, logp, 0.0)), 0.0)
+        entropy = -(p * np.where(kept, logp, 0.0)).sum()
+        expected[row] = weights[row] * np.where(kept, -p * (np.where(kept, logp, 0.0) + entropy), 0.0) / temperature
+    np.testing.assert_allclose(grad, expected, atol=2e-5)
+
+
+def test_entropy_bonus_alone_raises_the_policys_entropy():
+    batch = dataclasses.replace(random_batch(3), advantages=jnp.zeros(4, jnp.float32))
+    entropies = {}
+    for coef in (0.0, 0.5):
+        learner = Learner(create_model(MODEL, seed=2), OptimConfig(lr=3e-3, warmup_steps=0),
+                          LossConfig(entropy_coef=coef, off_policy="none"))
+        start = params_of(learner)
+        entropies[coef] = [learner.step(batch)[0]["entropy"] for _ in range(4)]
+        moved = max_param_diff(start, params_of(learner))
+        assert (moved > 1e-3) if coef else (moved == 0.0)  # no advantage and no bonus: nothing to learn
+    assert entropies[0.0][0] == pytest.approx(entropies[0.5][0])
+    assert entropies[0.5][-1] > entropies[0.5][0] + 1e-3
+    assert entropies[0.0][-1] == pytest.approx(entropies[0.0][0])

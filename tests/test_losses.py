@@ -1,6 +1,7 @@
 """Policy losses against an independent per-token NumPy reference, finite-difference gradients, and
 padding invariance."""
 
+import dataclasses
 import itertools
 import math
 
@@ -89,7 +90,8 @@ def ref_aggregate(x, mask, cfg):
 
 def ref_loss(b, cfg):
     pg, kl, _ = reference(b, cfg)
-    return ref_aggregate(pg, b["mask"], cfg) + cfg.kl_coef * ref_aggregate(kl, b["mask"], cfg)
+    return (ref_aggregate(pg, b["mask"], cfg) + cfg.kl_coef * ref_aggregate(kl, b["mask"], cfg)
+            - cfg.entropy_coef * ref_aggregate(b["entropies"], b["mask"], cfg))
 
 
 def call(b, cfg, fn=policy_loss, dtype=jnp.float32):
@@ -297,13 +299,43 @@ def test_aggregate_simple_values():
     assert float(aggregate(x, m, "seq_mean_token_sum_norm", 6)) == pytest.approx((6 / 6 + 4 / 6) / 2)
 
 
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_entropy_bonus_matches_numpy_and_its_gradient_is_the_aggregations_weight(aggregation):
+    cfg = dataclasses.replace(config_for("grpo", aggregation, 2.5, "tis", "k3"), entropy_coef=0.03)
+    assert cfg.validate() == []
+    b = make_batch(seed=21)
+    loss, _ = call(b, cfg)
+    np.testing.assert_allclose(float(loss), ref_loss(b, cfg), rtol=2e-5, atol=1e-6)
+    without, _ = call(b, dataclasses.replace(cfg, entropy_coef=0.0))
+    assert float(without) - float(loss) > 1e-3  # the bonus lowers the loss: entropies are >= 0
+    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
+    grad = np.asarray(jax.grad(lambda ent: policy_loss(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"],
+                                                       j["ref_logprobs"], j["advantages"], j["mask"], cfg,
+                                                       entropies=ent)[0])(j["entropies"]))
+    mask = b["mask"]
+    lengths, sequences = mask.sum(1, keepdims=True), mask.any(1).sum()
+    per_token = {"token_mean": np.full(mask.shape, 1.0 / mask.sum()),
+                 "seq_mean_token_mean": 1.0 / np.maximum(lengths, 1) / sequences + 0.0 * mask,
+                 "seq_mean_token_sum_norm": np.full(mask.shape, 1.0 / (cfg.max_completion_len * sequences))}
+    np.testing.assert_allclose(grad, np.where(mask, -cfg.entropy_coef * per_token[aggregation], 0.0), rtol=1e-5,
+                               atol=1e-9)  # and exactly 0 on the padding's garbage
+
+
+def test_entropy_bonus_needs_entropies():
+    b = make_batch(seed=22, garbage=False)
+    j = {k: jnp.asarray(v) for k, v in b.items()}
+    with pytest.raises(ValueError, match="entropy_coef=0.01 needs entropies"):
+        policy_loss(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"], None, j["advantages"], j["mask"],
+                    LossConfig(entropy_coef=0.01))
+
+
 def test_validate():
     assert LossConfig().validate() == []
     problems = LossConfig(loss_type="ppo", aggregation="sum", kl_estimator="k4", off_policy="on", clip_low=1.5,
-                          clip_high=-0.1, dual_clip=0.5, tis_cap=0.0, kl_coef=-1.0).validate()
+                          clip_high=-0.1, dual_clip=0.5, tis_cap=0.0, kl_coef=-1.0, entropy_coef=-0.1).validate()
     keys = [p.split("=")[0] for p in problems]
     assert keys == ["loss_type", "aggregation", "kl_estimator", "off_policy", "clip_low", "clip_high", "kl_coef",
-                    "dual_clip", "tis_cap"]
+                    "entropy_coef", "dual_clip", "tis_cap"]
     assert problems[0] == "loss_type='ppo': allowed grpo, gspo"
     assert LossConfig(aggregation="seq_mean_token_sum_norm").validate()[0].startswith("max_completion_len=0")
 

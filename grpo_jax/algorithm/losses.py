@@ -64,6 +64,11 @@ class LossConfig:
       weights each token's policy loss by min(w, tis_cap); "decoupled" by w, zeroing tokens whose w
       exceeds tis_cap; "none" ignores the behaviour log-probs. The weight is a constant (no gradient)
       and multiplies the policy term only, not the KL term.
+    entropy_coef: subtracts entropy_coef * H(pi) per token, aggregated the same way (an entropy bonus, as verl's
+      entropy_coeff): H is the entropy of each next-token distribution the sampler draws from (temperature
+      and truncation included), differentiated through the current policy. It keeps a policy from collapsing
+      onto one answer before the reward tells the answers apart (a collapsed group has no advantage left to
+      learn from). 0 (the default) adds nothing and costs nothing.
     """
 
     loss_type: str = "grpo"
@@ -78,6 +83,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     off_policy: str = "tis"
     tis_cap: float = 2.0
+    entropy_coef: float = 0.0
 
     @property
     def needs_reference(self) -> bool:
@@ -94,7 +100,7 @@ class LossConfig:
         for key in ("clip_low", "gspo_clip_low"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 p.append(f"{key}={getattr(self, key)}: allowed 0 <= {key} < 1")
-        for key in ("clip_high", "gspo_clip_high", "kl_coef"):
+        for key in ("clip_high", "gspo_clip_high", "kl_coef", "entropy_coef"):
             if not getattr(self, key) >= 0.0:
                 p.append(f"{key}={getattr(self, key)}: allowed >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
@@ -201,12 +207,15 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
       ref_logprobs may be None when not config.needs_reference.
     advantages: one per sequence, [B] (one sequence per row) or [B, K] (K sequence slots per row, with
     sequence_ids [B, T]: each token's slot in its row; see the module docstring). mask: [B, T] bool or
-    float. entropies: optional [B, T]. Gradients flow only through `logprobs`.
+    float. entropies: optional [B, T], required when config.entropy_coef != 0. Gradients flow through `logprobs`,
+    and through `entropies` when config.entropy_coef != 0.
     """
     if config.off_policy != "none" and behaviour_logprobs is None:
         raise ValueError(f"off_policy={config.off_policy!r} needs behaviour_logprobs")
     if config.needs_reference and ref_logprobs is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs")
+    if config.entropy_coef != 0.0 and entropies is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropies")
     dtype = jnp.result_type(logprobs.dtype, jnp.float32)
     m = jnp.asarray(mask).astype(bool)
     mf = m.astype(dtype)
@@ -260,6 +269,10 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
         if config.kl_coef != 0.0:
             loss = loss + config.kl_coef * kl_loss
         metrics |= {"kl/loss": kl_loss, "kl/mean": _masked_mean(kl, m)}
+    if config.entropy_coef != 0.0:
+        entropy_loss = aggregate(jnp.where(m, entropies, 0.0).astype(dtype), mf, config.aggregation,
+                                 config.max_completion_len, sequences)
+        loss = loss - config.entropy_coef * entropy_loss
 
     sg = jax.lax.stop_gradient
     r, a = sg(ratio), sg(adv)

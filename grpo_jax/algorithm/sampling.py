@@ -153,10 +153,10 @@ def tempered_logprobs(logits: jax.Array, targets: jax.Array, temperature: float 
                       top_p: float = 1.0, with_entropy: bool = False):
     """Log-prob of each target [...] under the distribution the sampler draws from given float32 logits
     [..., V]: softmax(logits / temperature) truncated to truncation_mask's tokens and renormalised, and
-    optionally that distribution's entropy (no gradient). The target always counts as kept: a token the
-    sampler drew may fall outside the learner's set when the weights moved since (or by rounding at the
-    cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at staleness 0 it is in the
-    set anyway."""
+    optionally that distribution's entropy (differentiable: the loss's entropy bonus). The target always counts
+    as kept: a token the sampler drew may fall outside the learner's set when the weights moved since (or by
+    rounding at the cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at staleness 0 it
+    is in the set anyway."""
     scaled = logits / temperature if temperature != 1.0 else logits
     keep = None
     if top_k or top_p < 1.0:
@@ -169,6 +169,7 @@ def tempered_logprobs(logits: jax.Array, targets: jax.Array, temperature: float 
     if not with_entropy:
         return logprobs, None
     probs = jnp.exp(scaled - log_norm[..., None])  # 0 outside the kept set
-    weighted = probs * scaled if keep is None else jnp.where(keep, probs * scaled, 0.0)
+    # Outside the kept set probs * scaled is 0 * -inf: the finite stand-in keeps the gradient free of NaN.
+    weighted = probs * (scaled if keep is None else jnp.where(keep, scaled, 0.0))
     entropy = log_norm - jnp.sum(weighted, axis=-1)
-    return logprobs, jax.lax.stop_gradient(entropy)
+    return logprobs, entropy
