@@ -32,6 +32,9 @@ def _convert(value: Any, tp, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        others = [option for option in options if option is not type(None)]
+        if len(others) == 1:  # `X | None` given a value: X's own error (a section's bad key) says what is wrong
+            return _convert(value, others[0], key)
         for option in options:
             if option is type(None):
                 continue

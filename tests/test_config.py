@@ -51,6 +51,9 @@ def test_overrides_are_typed_and_nested():
     ("sampler.top_p=0", ["sampler.top_p=0", "top_p"]),
     ("mesh.learner.tensor=0", ["mesh.learner.tensor=0", "positive"]),
     ("seed", ["expected key=value"]),
+    # an optional section (env: X | None) reports its own bad key, not "expected EnvConfig | None"
+    ("env={name: fetch_code, max_turns: 0}", ["env.max_turns=0: must be an integer >= 1"]),
+    ("env={name: fetch_code, turns: 2}", ["unknown config key 'env.turns'", "max_turns"]),
 ])
 def test_bad_values_are_refused_with_key_value_and_allowed(override, fragments):
     with pytest.raises(ConfigError) as info:
