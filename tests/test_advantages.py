@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from grpo_jax.algorithm.advantages import advantage_stats, filter_zero_variance, group_advantages
+from grpo_jax.algorithm.advantages import (
+    advantage_stats,
+    custom_advantages,
+    filter_zero_variance,
+    group_advantages,
+)
 
 N, G = 4, 6
 # Few distinct values, so that ties and zero-variance groups come up often; float32-exact so that the
@@ -139,3 +144,53 @@ def test_stats():
     np.testing.assert_allclose(float(s["frac_zero_var_groups"]), np.asarray(zv).mean())
     group_std = [r[g][valid[g]].std() if valid[g].any() else 0.0 for g in range(5)]
     np.testing.assert_allclose(float(s["reward/group_std_mean"]), np.mean(group_std), rtol=1e-5)
+
+
+# ---- env.advantage: a user's function of a group's episodes (custom_advantages) ----------------------------
+
+
+def turn_penalised(rewards, step_rewards, valid):
+    """docs/environments.md's example."""
+    score = rewards - 0.05 * np.isfinite(step_rewards).sum(axis=1)
+    return (score - np.nanmean(score)) / (np.nanstd(score) + 1e-6)
+
+
+def test_custom_advantages_pass_the_groups_rewards_and_zero_failed_episodes():
+    rewards = np.array([1.0, 0.5, 7.0, 0.0], np.float32)
+    steps = np.array([[1, 1, np.nan], [1, np.nan, np.nan], [np.nan] * 3, [0, 0, 0]], np.float32)
+    valid = np.array([True, True, False, True])
+    out = custom_advantages(turn_penalised, rewards, steps, valid)
+    score = np.array([1.0 - 0.1, 0.5 - 0.05, 0.0 - 0.15])  # the failed episode's 7.0 never enters
+    expected = (score - score.mean()) / (score.std() + 1e-6)
+    np.testing.assert_allclose(out, [expected[0], expected[1], 0.0, expected[2]], rtol=1e-5)
+    assert out.dtype == np.float32
+
+    seen = {}
+    custom_advantages(lambda **kw: seen.update(kw) or np.ones(4), rewards, steps, valid)
+    assert np.isnan(seen["rewards"][2]) and seen["rewards"][0] == 1.0
+    np.testing.assert_array_equal(seen["step_rewards"], steps)
+    np.testing.assert_array_equal(seen["valid"], valid)
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1.0, 2.0], "returned shape (2,), expected (3,): one advantage per episode"),
+    ([1.0, np.nan, 0.0], "an episode that did not fail needs a finite advantage"),
+    ("abc", "returned str 'abc', not G numbers"),
+    (None, "returned shape (), expected (3,)"),
+])
+def test_custom_advantages_that_return_junk_say_what_is_wrong(returned, message):
+    with pytest.raises(ValueError) as info:
+        custom_advantages(lambda **kw: returned, np.zeros(3), np.full((3, 2), np.nan), np.ones(3, bool))
+    assert message in str(info.value)
+    # a non-finite value for a failed episode is ignored
+    out = custom_advantages(lambda **kw: [1.0, np.nan, 0.0], np.zeros(3), np.full((3, 2), np.nan),
+                            np.array([True, False, True]))
+    np.testing.assert_array_equal(out, [1.0, 0.0, 0.0])
+
+
+def test_custom_advantages_that_raise_name_the_error():
+
+    def broken(rewards, step_rewards, valid):
+        raise KeyError("x")
+    with pytest.raises(ValueError, match="raised KeyError: 'x'"):
+        custom_advantages(broken, np.zeros(2), np.zeros((2, 1)), np.ones(2, bool))

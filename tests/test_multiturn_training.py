@@ -3,14 +3,18 @@ each packed segment match the continuation engine's behaviour log-probs at stale
 the whole trainer), only sampled tokens are trained, and a short run learns to call the tool, which a policy that
 does not call cannot score anything for, with every prompt accounted for once."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from grpo_jax.config_io import load_config
+from grpo_jax.envs.synthetic import FetchCodeEnv
+from grpo_jax.errors import ConfigError, TrainerError
 from grpo_jax.run.config import Config
 from grpo_jax.run.trainer import Trainer
 from test_trainer import REPO
@@ -60,3 +64,75 @@ def test_a_short_run_learns_to_call_the_tool(tmp_path):
     audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True,
                            text=True, env=env)
     assert audit.returncode == 0 and "lost:                 0" in audit.stdout, audit.stdout + audit.stderr
+
+
+# ------------------------------------------------------------------ per-step rewards and env.advantage
+
+
+class StepRewarded(FetchCodeEnv):
+    """fetch_code whose steps give rewards: 1 for a turn that called fetch, else -0.5."""
+
+    async def step(self, turn):
+        result = await super().step(turn)
+        return dataclasses.replace(result, reward=1.0 if turn.tool_calls else -0.5)
+
+
+SEEN: list = []  # what ramp_advantage was given, call by call
+
+
+def ramp_advantage(rewards, step_rewards, valid):
+    """Advantages no group-relative formula gives: episode j gets 0.01 * (j + 1)."""
+    SEEN.append((rewards, step_rewards, valid))
+    return 0.01 * np.arange(1, len(rewards) + 1)
+
+
+def broken_advantage(rewards, step_rewards, valid):
+    raise RuntimeError("advantage bug")
+
+
+def test_step_rewards_are_logged_and_a_custom_advantage_gets_them_and_trains_its_values(tmp_path):
+    SEEN.clear()
+    config = multiturn_config(tmp_path, "trainer.max_steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                              "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
+                              f"env.name={__name__}:StepRewarded", f"env.advantage={__name__}:ramp_advantage")
+    trainer = Trainer(config)
+    trained = []
+    step = trainer.learner.step
+
+    def recording(batch):
+        trained.append(np.asarray(batch.advantages))
+        return step(batch)
+
+    trainer.learner.step = recording
+    history = trainer.train()
+    assert len(SEEN) >= 8  # one call per group
+    for rewards, steps, valid in SEEN:
+        assert rewards.shape == valid.shape == (4,) and steps.shape == (4, config.env.max_turns)
+        given = np.isfinite(steps)
+        assert np.isin(steps[given], [1.0, -0.5]).all()
+        assert (given[:, 1:] <= given[:, :-1]).all()  # in turn order, NaN after the last step
+        assert np.array_equal(np.isfinite(rewards), valid)
+    advantages = np.concatenate([a.ravel() for a in trained]).astype(np.float64)
+    assert set(np.round(advantages[advantages != 0], 6).tolist()) == {0.01, 0.02, 0.03, 0.04}
+    for metrics in history:
+        # every step gives a reward here; a turn cut off at the token limit has no step
+        assert 0 < metrics["env/rewarded_steps"] <= metrics["env/turns"]
+        assert -0.5 <= metrics["env/step_reward"] <= 1.0
+
+
+def test_a_custom_advantage_that_raises_drops_its_groups_and_stops_the_run(tmp_path):
+    config = multiturn_config(tmp_path, "trainer.max_steps=3", "grpo.prompts_per_step=2", "grpo.group_size=4",
+                              "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
+                              "trainer.reward_error_handouts=1", f"env.advantage={__name__}:broken_advantage")
+    with pytest.raises(TrainerError, match=r"env.advantage test_multiturn_training:broken_advantage: raised "
+                                           r"RuntimeError: advantage bug; fix the environment"):
+        Trainer(config).train()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    drops = [e for e in events if e.get("reason") == "reward_error"]
+    assert drops and all("advantage bug" in e["detail"] for e in drops)
+
+
+def test_an_advantage_path_that_does_not_resolve_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"invalid config: env.advantage='test_multiturn_training:nothing': module "
+                                          r"test_multiturn_training has no attribute 'nothing'"):
+        multiturn_config(tmp_path, f"env.advantage={__name__}:nothing")

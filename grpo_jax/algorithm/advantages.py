@@ -56,6 +56,28 @@ def group_advantages(rewards, valid=None, baseline: str = "mean", scale_by_std: 
     return adv, zero_var
 
 
+def custom_advantages(fn, rewards: np.ndarray, step_rewards: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """One group's per-trajectory advantages [G] from a user's function (EnvConfig.advantage), host side:
+    fn(rewards=[G] float64, NaN for a failed episode; step_rewards=[G, max_turns] float64, each step's
+    StepResult.reward in turn order, NaN where a step gave none or did not happen; valid=[G] bool) returns G
+    numbers. Failed episodes get 0 whatever it returns. Raises ValueError naming what was wrong with the
+    result, or what fn raised."""
+    rewards = np.where(valid, np.asarray(rewards, np.float64), np.nan)
+    try:
+        out = fn(rewards=rewards, step_rewards=np.array(step_rewards, np.float64), valid=np.array(valid, bool))
+    except Exception as e:  # noqa: BLE001 - user code: the caller drops the group with this as its detail
+        raise ValueError(f"raised {type(e).__name__}: {e}") from e
+    try:
+        advantages = np.asarray(out, np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"returned {type(out).__name__} {out!r:.80}, not G numbers") from e
+    if advantages.shape != rewards.shape:
+        raise ValueError(f"returned shape {advantages.shape}, expected ({len(rewards)},): one advantage per episode")
+    if not np.isfinite(advantages[valid]).all() or np.abs(advantages[valid]).max(initial=0.0) > 1e30:
+        raise ValueError(f"returned {advantages.tolist()}: an episode that did not fail needs a finite advantage")
+    return np.where(valid, advantages, 0.0).astype(np.float32)
+
+
 def filter_zero_variance(rewards, valid=None):
     """DAPO dynamic sampling, host side: (keep [K] int indices of groups with signal, dropped
     [num_groups] bool). The trainer keeps sampling until it has enough kept groups."""

@@ -169,6 +169,9 @@ class EnvConfig:
     # model's own, from model.architecture (renderer_for)
     renderer: str = ""
     renderer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false} for qwen3
+    # "package.module:function": each group's per-trajectory advantages from its episodes' rewards and per-step
+    # rewards (algorithm.advantages.custom_advantages); "": GRPO's group-relative advantages of reward()
+    advantage: str = ""
 
     def validate(self) -> list[str]:
         problems = []
@@ -194,6 +197,12 @@ class EnvConfig:
             problems.append(f"renderer={self.renderer!r}: allowed {', '.join(RENDERERS)}, or '' for the model's own")
         if not isinstance(self.renderer_options, dict):
             problems.append(f"renderer_options={self.renderer_options!r}: a mapping of the renderer's options")
+        if self.advantage:
+            try:
+                import_factory(self.advantage)
+            except RewardNameError as e:
+                problems.append(f"advantage={self.advantage!r}: {e.reason} (a function fn(rewards, step_rewards, "
+                                "valid) -> G advantages)")
         return problems
 
 

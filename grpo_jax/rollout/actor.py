@@ -55,8 +55,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
-from grpo_jax.algorithm.rewards import RewardSuite
+from grpo_jax.algorithm.advantages import GRPOConfig, custom_advantages, group_advantages
+from grpo_jax.algorithm.rewards import RewardSuite, import_factory
 from grpo_jax.data.collector import Collector, Prompt
 from grpo_jax.data.tokenizer import Tokenizer
 from grpo_jax.errors import TrainerError
@@ -114,6 +114,9 @@ class Actor:
         self.sampler = sampler
         self.streaming = isinstance(sampler, Engine)
         self.episodic = isinstance(sampler, EpisodeRunner)  # episodes of an environment, scored by its reward()
+        # env.advantage: the user's function of a group's episode and step rewards, instead of group_advantages
+        self.custom_advantage = (import_factory(sampler.config.advantage)
+                                 if self.episodic and sampler.config.advantage else None)
         self.env_failures: collections.Counter = collections.Counter()  # failed episodes by reason
         # Its share of the devices: across hosts each process counts only its own groups' tokens.
         self.num_devices = len(jax.tree.leaves(sampler.state)[0].sharding.device_set) // (
@@ -525,7 +528,8 @@ class Actor:
 
     def _finish_episodes(self, prompts: list[Prompt], results: list[EpisodeResult]) -> None:
         """Put each prompt's G episodes into the buffer as one group, or drop it: fewer than 2 episodes that
-        did not fail (the commonest failure is the reason), advantages that do not fit float32, zero variance."""
+        did not fail (the commonest failure is the reason), env.advantage failing on it (reward_error), advantages
+        that do not fit float32, zero variance."""
         g = self.grpo.group_size
         episodes = [results[i * g:(i + 1) * g] for i in range(len(prompts))]
         valid = np.array([[e.failure is None for e in eps] for eps in episodes])
@@ -537,10 +541,14 @@ class Actor:
             failed = [e for e in eps if e.failure is not None]
             self.env_failures.update(e.failure for e in failed)
             reason = detail = None
+            steps = step_rewards(eps, self.sampler.config.max_turns)
             if valid[i].sum() < 2:
                 reason = collections.Counter(e.failure for e in failed).most_common(1)[0][0]
                 detail = _one_line(f"{len(failed)} of {g} episodes failed; first: {failed[0].failure}: "
                                    f"{failed[0].detail}")
+            elif self.custom_advantage is not None and (detail := self._custom_advantages(i, advantages, rewards,
+                                                                                           steps, valid)):
+                reason = "reward_error"
             elif not np.isfinite(advantages[i]).all():
                 reason, detail = "reward_error", "the group's rewards are too large for float32 advantages"
             elif self.grpo.filter_zero_variance and zero_var[i]:
@@ -551,8 +559,17 @@ class Actor:
                 self.buffer.release(1)
                 continue
             self.collector.mark_finished(prompt.ordinal)
-            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i], bool(zero_var[i])))
+            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i], bool(zero_var[i]), steps))
         self._stop_if_rewards_keep_failing()
+
+    def _custom_advantages(self, i: int, advantages: np.ndarray, rewards: np.ndarray, steps: np.ndarray,
+                           valid: np.ndarray) -> str | None:
+        """Group i's advantages from env.advantage, written into `advantages`; what went wrong, or None."""
+        try:
+            advantages[i] = custom_advantages(self.custom_advantage, rewards[i], steps, valid[i])
+        except ValueError as e:
+            return _one_line(f"env.advantage {self.sampler.config.advantage}: {e}")
+        return None
 
     # -- rewards that fail --
 
@@ -593,7 +610,8 @@ class Actor:
             return
         self.error = TrainerError(
             f"stopped: none of the last {self.reward_error_streak} prompts could be trained, because "
-            + ("the environment failed their episodes (a group needs 2 episodes that did not fail)" if self.episodic
+            + ("the environment failed their episodes (a group needs 2 episodes that did not fail), or env.advantage "
+               "failed on them" if self.episodic
                else "the rewards failed on their samples (a group needs 2 scored samples)")
             + f"; last error: {self.last_reward_error}; fix the "
             + ("environment" if self.episodic else "reward")
@@ -604,11 +622,21 @@ class Actor:
         self._stop.set()
 
 
+def step_rewards(episodes: list[EpisodeResult], max_turns: int) -> np.ndarray:
+    """[G, max_turns] float32: each episode's per-step rewards (StepResult.reward) in turn order, NaN where a step
+    gave none or did not happen."""
+    out = np.full((len(episodes), max(max_turns, *(len(e.step_rewards) for e in episodes))), np.nan, np.float32)
+    for j, episode in enumerate(episodes):
+        out[j, :len(episode.step_rewards)] = episode.step_rewards
+    return out
+
+
 def episode_group(prompt: Prompt, episodes: list[EpisodeResult], rewards: np.ndarray, advantages: np.ndarray,
-                  valid: np.ndarray, zero_variance: bool) -> Group:
+                  valid: np.ndarray, zero_variance: bool, steps: np.ndarray) -> Group:
     """One prompt's G episodes as a Group of segments (replay_buffer's segment layout): each segment of an episode
     that did not fail is one learner sequence, its prompt the tokens before its first sampled one, its completion
-    the rest with a mask of the sampled tokens. The group's weight version is its oldest sampled token's."""
+    the rest with a mask of the sampled tokens. The group's weight version is its oldest sampled token's. steps:
+    step_rewards, kept for the metrics."""
     prompts, completions, masks, logprobs, owner, versions = [], [], [], [], [], []
     for j, episode in enumerate(episodes):
         if episode.failure is not None:
@@ -635,7 +663,7 @@ def episode_group(prompt: Prompt, episodes: list[EpisodeResult], rewards: np.nda
         extras={"advantages": advantages.astype(np.float32), "valid": np.asarray(valid, bool),
                 "zero_variance": zero_variance, "token_versions": versions, SEGMENT_PROMPTS: prompts,
                 SEGMENT_MASKS: masks, SEGMENT_TRAJECTORY: np.asarray(owner, np.int32),
-                "episode_stats": stats, "reward_parts": parts, "reward_part_names": names})
+                "episode_stats": stats, "reward_parts": parts, "reward_part_names": names, "step_rewards": steps})
 
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "segments", "truncated", "env_seconds")  # episode_stats columns
@@ -651,13 +679,19 @@ def _trajectory_counts(episode: EpisodeResult) -> tuple[int, int, int, int]:
 def episode_metrics(groups: list[Group]) -> dict:
     """A step's episodes (valid or failed, of the groups trained): per-episode means of EPISODE_STATS
     (env/turns, env/tool_calls, env/tool_errors, env/segments, env/truncated: the share cut off, env/latency_s:
-    time in the environment's calls), and each named reward part's mean (reward/part_<name>)."""
+    time in the environment's calls), each named reward part's mean (reward/part_<name>), and, when steps gave
+    rewards, env/step_reward (their mean) and env/rewarded_steps (per episode)."""
     stats = [g.extras["episode_stats"] for g in groups if "episode_stats" in g.extras]
     if not stats:
         return {}
     stats = np.concatenate(stats)
     out = {f"env/{'latency_s' if name == 'env_seconds' else name}": float(stats[:, k].mean())
            for k, name in enumerate(EPISODE_STATS)}
+    steps = [np.asarray(g.extras["step_rewards"]).ravel() for g in groups if "step_rewards" in g.extras]
+    steps = np.concatenate(steps) if steps else np.zeros(0)
+    if np.isfinite(steps).any():
+        out["env/step_reward"] = float(np.nanmean(steps))
+        out["env/rewarded_steps"] = float(np.isfinite(steps).sum() / len(stats))
     for g in groups:
         for k, name in enumerate(g.extras.get("reward_part_names", ())):
             out.setdefault(f"reward/part_{name}", []).append(np.asarray(g.extras["reward_parts"])[:, k])
