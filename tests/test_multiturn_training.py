@@ -136,3 +136,28 @@ def test_an_advantage_path_that_does_not_resolve_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"invalid config: env.advantage='test_multiturn_training:nothing': module "
                                           r"test_multiturn_training has no attribute 'nothing'"):
         multiturn_config(tmp_path, f"env.advantage={__name__}:nothing")
+
+
+RESETS: list = []  # (row id, seed) of each Recorded episode
+
+
+class Recorded(FetchCodeEnv):
+    async def reset(self, row, seed):
+        RESETS.append((row["id"], seed))
+        return await super().reset(row, seed)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_prompts_episodes_share_one_seed_unless_told_not_to(tmp_path, shared):
+    RESETS.clear()
+    config = multiturn_config(tmp_path, "trainer.max_steps=1", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                              "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
+                              f"env.name={__name__}:Recorded", f"env.shared_seed={str(shared).lower()}")
+    Trainer(config).train()
+    by_row: dict = {}
+    for row, seed in RESETS:
+        by_row.setdefault(row, []).append(seed)
+    assert len(by_row) >= 4 and all(len(seeds) % 4 == 0 for seeds in by_row.values())
+    for seeds in by_row.values():
+        assert len(set(seeds[:4])) == (1 if shared else 4)
+    assert len({seeds[0] for seeds in by_row.values()}) == len(by_row)  # prompts never share one

@@ -169,6 +169,9 @@ class EnvConfig:
     # model's own, from model.architecture (renderer_for)
     renderer: str = ""
     renderer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false} for qwen3
+    # the G episodes of a prompt reset with one seed (the same task instance: advantages compare answers to the
+    # same question); false: each episode its own seed (independent instances of the prompt's task)
+    shared_seed: bool = True
     # "package.module:function": each group's per-trajectory advantages from its episodes' rewards and per-step
     # rewards (algorithm.advantages.custom_advantages); "": GRPO's group-relative advantages of reward()
     advantage: str = ""
@@ -197,6 +200,9 @@ class EnvConfig:
             problems.append(f"renderer={self.renderer!r}: allowed {', '.join(RENDERERS)}, or '' for the model's own")
         if not isinstance(self.renderer_options, dict):
             problems.append(f"renderer_options={self.renderer_options!r}: a mapping of the renderer's options")
+        if not isinstance(self.shared_seed, bool):
+            problems.append(f"shared_seed={self.shared_seed!r}: true or false (whether a prompt's G episodes reset "
+                            "with one seed)")
         if self.advantage:
             try:
                 import_factory(self.advantage)

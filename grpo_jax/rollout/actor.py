@@ -516,8 +516,10 @@ class Actor:
             rows = [p.record["row"] for p in part for _ in range(g)]
             # One seed per prompt, from its first sample's key (the same on a regeneration): the G episodes of a
             # group face the same task instance (an environment's hidden state comes from the seed), so that
-            # group-relative advantages compare answers to the same question.
-            seeds = [int(keys[i - i % g][0]) << 32 | int(keys[i - i % g][1]) for i in range(len(keys))]
+            # group-relative advantages compare answers to the same question. env.shared_seed=false: each
+            # episode's own key.
+            first = [i - i % g if self.sampler.config.shared_seed else i for i in range(len(keys))]
+            seeds = [int(keys[j][0]) << 32 | int(keys[j][1]) for j in first]
             began = time.perf_counter()
             results = self.sampler.run(rows, seeds, keys, between_calls=self._adopt_pending_weights,
                                        stopped=self._stop.is_set)
