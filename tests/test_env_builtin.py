@@ -396,6 +396,21 @@ def test_fetch_code_without_the_call_scores_nothing_and_wrong_digits_cost_their_
         assert reward == pytest.approx(expected), answer
 
 
+def test_fetch_code_number_alone_scores_only_an_answer_that_is_the_number_alone():
+    row = make_fetch_code_dataset(1, seed=0)[0]
+    env = FetchCodeEnv(number_alone=True)
+    asyncio.run(env.reset(row, 0))
+    code = env.code
+    for answer, scored in ((code, True), (f" {code}\n", True), (f"code {code}", False), (f"{code}.", False),
+                           (f"{code} 1", False), ("", False)):
+        policy = iter([compact_turn("<|c|>fetch"), compact_turn(answer)])
+        _, _, reward = fetch_episode(row, 0, lambda ids: next(policy), number_alone=True)
+        expected = {"correct": 0.8 if scored else 0.0, "called": 0.1, "answered": 0.1 if scored else 0.0}
+        assert reward == pytest.approx(expected), answer
+    with pytest.raises(ValueError, match="number_alone='yes': true or false"):
+        FetchCodeEnv(number_alone="yes")
+
+
 def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
     row = make_fetch_code_dataset(1, seed=0)[0]
     policy = iter([compact_turn("<|c|>fetch key=1"), compact_turn("<|c|>lookup"), compact_turn("<|c|>fetch()"),

@@ -42,7 +42,9 @@ scratch finds the behaviour step by step: the call, then answering with a number
 - called: call_credit shared by the fetch calls that answered, once the model read the code (wrote a turn after
   fetch answered; calling again earns nothing); half of it for an episode that called fetch, or tried a tool call
   (parsed or not) naming it, without reading its answer.
-- answered: answer_credit when the model, having read the code, answered with a number (any).
+- answered: answer_credit when the model, having read the code, answered with a number (any; with number_alone,
+  only an answer that is the number alone scores, answered and correct: a turn of junk whose last number is not the
+  copied one then cannot hide a right first digit, nor be paid for a lucky one).
 - correct: (1 - call_credit - answer_credit) times the copy task's per-digit credit (digits_score) of the answer's
   last number (its last run of digits): the code's digits it has right, position by position, over the code's
   length, less 0.5 for a number whose length is off by the code's length or more (in proportion when less), never
@@ -176,7 +178,7 @@ class FetchCodeEnv(Environment):
     """One argument-less tool whose answer is the code to answer with (module docstring)."""
 
     def __init__(self, *, code_digits: int = 2, call_credit: float = 0.1, answer_credit: float = 0.1,
-                 system_prompt: str = ""):
+                 number_alone: bool = False, system_prompt: str = ""):
         if not (is_int(code_digits) and 1 <= code_digits <= 12):
             raise ValueError(f"fetch_code: code_digits={code_digits!r}: an integer from 1 to 12 (the code's "
                              "length; a guessed digit is right once in 10)")
@@ -188,8 +190,11 @@ class FetchCodeEnv(Environment):
                              "reward for answering with a number after reading the code)")
         if not isinstance(system_prompt, str):
             raise ValueError(f"fetch_code: system_prompt={system_prompt!r}: a str ('' for no system message)")
+        if not isinstance(number_alone, bool):
+            raise ValueError(f"fetch_code: number_alone={number_alone!r}: true or false (whether only an answer that "
+                             "is a number alone scores)")
         self.code_digits, self.call_credit, self.system_prompt = code_digits, float(call_credit), system_prompt
-        self.answer_credit = float(answer_credit)
+        self.answer_credit, self.number_alone = float(answer_credit), number_alone
         self.tools = [Tool.from_function(self.fetch)]
         self.code: str | None = None
         self.fetches = 0  # calls of fetch that answered
@@ -236,7 +241,7 @@ class FetchCodeEnv(Environment):
             # The answer's last number, scored with the copy task's per-digit credit (grpo_jax.data.tasks.
             # digits_score): digits right, position by position, less half for a length off by the code's length
             # or more; never below 0, so that reading the code never costs more than not reading it.
-            numbers = _DIGITS.findall(answer)
+            numbers = _DIGITS.findall(answer) if not self.number_alone or _DIGITS.fullmatch(answer) else []
             number = numbers[-1] if numbers else ""
             answered = self.answer_credit if numbers else 0.0
             right = sum(a == c for a, c in zip(number, code))
