@@ -249,6 +249,33 @@ def test_the_calculator_example_of_the_docs_runs_as_written(tmp_path, monkeypatc
             sys.modules.pop(name, None)
 
 
+def test_the_readme_environment_runs_as_written(tmp_path, monkeypatch):
+    readme = DOCS.parent.parent / "README.md"
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", readme.read_text(), re.MULTILINE | re.DOTALL)
+                if b.startswith("# secret_env.py")]
+    (tmp_path / "secret_env.py").write_text(block)
+    (tmp_path / "episode.py").write_text(_docs_module("# episode.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        from episode import run_episode
+
+        env = make_environment(build_config(EnvConfig, {"name": "secret_env:SecretEnv", "max_turns": 3}))
+        assert env.tools[0].schema["function"]["description"] == "The code to answer with."
+        renderer = make_renderer("qwen2", Tokenizer.byte_level())
+        texts = iter(['<tool_call>\n{"name": "secret", "arguments": {}}\n</tool_call>', "123"])
+
+        def sample(ids):
+            turn = renderer.tokenizer.encode(next(texts)) + list(renderer.end_of_turn_ids)
+            return turn, [-0.5] * len(turn), [0] * len(turn)
+
+        trajectory, reward = asyncio.run(run_episode(env, renderer, {"question": "The code?"}, 5123, sample, 3))
+        assert reward == 1.0 and trajectory.turns == 2 and trajectory.tool_calls == 1
+        assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == ["123"]
+    finally:
+        for name in ("secret_env", "episode"):
+            sys.modules.pop(name, None)
+
+
 def test_the_envs_package_imports_no_jax():
     code = ("import sys; import grpo_jax.envs.environment, grpo_jax.envs.trajectory, grpo_jax.envs.render, "
             "grpo_jax.envs.tools, grpo_jax.envs.gsm8k, grpo_jax.envs.synthetic; sys.exit('jax' in sys.modules)")
