@@ -411,6 +411,18 @@ def test_fetch_code_number_alone_scores_only_an_answer_that_is_the_number_alone(
         FetchCodeEnv(number_alone="yes")
 
 
+def test_fetch_code_code_values_bound_each_digit():
+    rows = make_fetch_code_dataset(50, seed=2)
+    codes = set()
+    for seed, row in enumerate(rows):
+        env = FetchCodeEnv(code_digits=1, code_values=4)
+        asyncio.run(env.reset(row, seed))
+        codes.add(env.code)
+    assert codes == {"0", "1", "2", "3"}
+    with pytest.raises(ValueError, match="code_values=11: an integer from 2 to 10"):
+        FetchCodeEnv(code_values=11)
+
+
 def test_fetch_code_bad_calls_are_tool_errors_and_the_episode_goes_on():
     row = make_fetch_code_dataset(1, seed=0)[0]
     policy = iter([compact_turn("<|c|>fetch key=1"), compact_turn("<|c|>lookup"), compact_turn("<|c|>fetch()"),

@@ -59,7 +59,7 @@ def test_a_short_run_learns_to_call_the_tool(tmp_path):
     assert len(history) == 100
     # A policy that never calls fetch scores 0; the random start calls it about once in 300 episodes.
     assert np.mean(rewards[:5]) < 0.02
-    assert np.mean(rewards[-10:]) > 0.1 and np.mean(called[-10:]) > 0.07
+    assert np.mean(rewards[-10:]) > 0.08 and np.mean(called[-10:]) > 0.07
     assert history[-1]["env/turns"] > 1.5  # it reads the tool's answer and answers after it
     audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True,
                            text=True, env=env)

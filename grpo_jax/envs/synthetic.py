@@ -68,8 +68,9 @@ SYSTEM_PROMPT = "Look up the key, then each next key; answer with the code alone
 _DIGITS = re.compile(r"\d+")
 
 
-def _random_digits(rng: np.random.Generator, n: int) -> str:
-    return "".join(str(d) for d in rng.integers(0, 10, size=n))
+def _random_digits(rng: np.random.Generator, n: int, values: int = 10) -> str:
+    """n digits, each drawn from 0 .. values - 1."""
+    return "".join(str(d) for d in rng.integers(0, values, size=n))
 
 
 def countdown_prompt(key: str, lookups: int) -> str:
@@ -178,7 +179,7 @@ class FetchCodeEnv(Environment):
     """One argument-less tool whose answer is the code to answer with (module docstring)."""
 
     def __init__(self, *, code_digits: int = 2, call_credit: float = 0.1, answer_credit: float = 0.1,
-                 number_alone: bool = False, system_prompt: str = ""):
+                 number_alone: bool = False, code_values: int = 10, system_prompt: str = ""):
         if not (is_int(code_digits) and 1 <= code_digits <= 12):
             raise ValueError(f"fetch_code: code_digits={code_digits!r}: an integer from 1 to 12 (the code's "
                              "length; a guessed digit is right once in 10)")
@@ -194,7 +195,11 @@ class FetchCodeEnv(Environment):
             raise ValueError(f"fetch_code: number_alone={number_alone!r}: true or false (whether only an answer that "
                              "is a number alone scores)")
         self.code_digits, self.call_credit, self.system_prompt = code_digits, float(call_credit), system_prompt
+        if not (is_int(code_values) and 2 <= code_values <= 10):
+            raise ValueError(f"fetch_code: code_values={code_values!r}: an integer from 2 to 10 (each digit of the "
+                             "code is drawn from 0 .. code_values - 1)")
         self.answer_credit, self.number_alone = float(answer_credit), number_alone
+        self.code_values = code_values
         self.tools = [Tool.from_function(self.fetch)]
         self.code: str | None = None
         self.fetches = 0  # calls of fetch that answered
@@ -220,7 +225,7 @@ class FetchCodeEnv(Environment):
         if not (is_int(seed) and seed >= 0):
             raise ValueError(f"fetch_code: seed={seed!r}: an integer >= 0")
         # From the seed and the row's id: the same (row, seed) is the same episode; rows sharing a seed differ.
-        self.code = _random_digits(np.random.default_rng([seed, row_id]), self.code_digits)
+        self.code = _random_digits(np.random.default_rng([seed, row_id]), self.code_digits, self.code_values)
         self.fetches, self.tried, self.read_code, self.final_answer = 0, False, False, None
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": prompt}]
