@@ -1,9 +1,9 @@
 """Group-relative advantages for GRPO and its variants.
 
 Rewards come shaped [num_groups, G]: row g holds the G completions sampled for one prompt. All
-functions except `filter_zero_variance` are pure jnp (jit-able; numpy input is fine). An optional
-`valid` mask [num_groups, G] leaves out samples whose reward failed: they neither enter the group
-statistics nor receive an advantage.
+functions except `filter_zero_variance` and `custom_advantages` (host side, numpy) are pure jnp
+(jit-able; numpy input is fine). An optional `valid` mask [num_groups, G] leaves out samples whose
+reward failed: they neither enter the group statistics nor receive an advantage.
 """
 
 from __future__ import annotations
