@@ -321,32 +321,37 @@ def test_entropy_bonus_matches_numpy_and_its_gradient_is_the_aggregations_weight
                                atol=1e-9)  # and exactly 0 on the padding's garbage
 
 
-def test_entropy_target_switches_the_bonus_on_below_it_and_off_above():
+def test_entropy_floor_bonuses_only_the_tokens_below_it():
     cfg = dataclasses.replace(config_for("grpo", "token_mean", None, "tis", 0.0), entropy_coef=0.05)
     b = make_batch(seed=23)
-    mean_entropy = b["entropies"][b["mask"]].mean()
-    always, metrics = call(b, cfg)
+    entropies, mask = b["entropies"], b["mask"]
+    floor = float(np.median(entropies[mask]))
+    _, metrics = call(b, cfg)
+    assert "entropy/below_floor" not in metrics
+    floored, floored_metrics = call(b, dataclasses.replace(cfg, entropy_floor=floor))
     without, _ = call(b, dataclasses.replace(cfg, entropy_coef=0.0))
-    assert "entropy/bonus_on" not in metrics
-    below, below_metrics = call(b, dataclasses.replace(cfg, entropy_target=float(mean_entropy) + 0.01))
-    above, above_metrics = call(b, dataclasses.replace(cfg, entropy_target=float(mean_entropy) - 0.01))
-    assert float(below) == pytest.approx(float(always)) and float(below_metrics["entropy/bonus_on"]) == 1.0
-    assert float(above) == pytest.approx(float(without)) and float(above_metrics["entropy/bonus_on"]) == 0.0
-    # Above the target the entropies get no gradient at all (the gate is a constant, not a soft weight).
+    # NumPy: the bonus is on min(entropy, floor), token_mean over the mask.
+    expected_bonus = np.minimum(entropies, floor)[mask].mean()
+    np.testing.assert_allclose(float(without) - float(floored), cfg.entropy_coef * expected_bonus, rtol=1e-5)
+    np.testing.assert_allclose(float(floored_metrics["entropy/below_floor"]), (entropies < floor)[mask].mean(),
+                               rtol=1e-6)
+    # The gradient reaches exactly the tokens below the floor (above it the bonus is a constant).
     j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
-    gated = dataclasses.replace(cfg, entropy_target=float(mean_entropy) - 0.01)
-    grad = jax.grad(lambda ent: policy_loss(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"],
-                                            j["ref_logprobs"], j["advantages"], j["mask"], gated,
-                                            entropies=ent)[0])(j["entropies"])
-    assert not np.asarray(grad).any()
+    grad = np.asarray(jax.grad(lambda ent: policy_loss(
+        j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"], j["ref_logprobs"], j["advantages"], j["mask"],
+        dataclasses.replace(cfg, entropy_floor=floor), entropies=ent)[0])(j["entropies"]))
+    below = mask & (entropies < floor)
+    assert below.any() and (mask & ~below).any()
+    np.testing.assert_allclose(grad[below], -cfg.entropy_coef / mask.sum(), rtol=1e-5)
+    assert not grad[~below].any()
 
 
-def test_entropy_target_needs_a_positive_target_and_a_bonus():
-    assert LossConfig(entropy_coef=0.01, entropy_target=0.5).validate() == []
-    assert LossConfig(entropy_coef=0.01, entropy_target=0.0).validate() == [
-        "entropy_target=0.0: allowed None (the bonus always on) or > 0 nats"]
-    assert LossConfig(entropy_target=0.5).validate() == [
-        "entropy_target=0.5: needs entropy_coef > 0 (the bonus it switches)"]
+def test_entropy_floor_needs_a_positive_floor_and_a_bonus():
+    assert LossConfig(entropy_coef=0.01, entropy_floor=0.5).validate() == []
+    assert LossConfig(entropy_coef=0.01, entropy_floor=0.0).validate() == [
+        "entropy_floor=0.0: allowed None (the bonus on every token) or > 0 nats"]
+    assert LossConfig(entropy_floor=0.5).validate() == [
+        "entropy_floor=0.5: needs entropy_coef > 0 (the bonus it bounds)"]
 
 
 def test_entropy_bonus_needs_entropies():

@@ -69,10 +69,10 @@ class LossConfig:
       and truncation included), differentiated through the current policy. It keeps a policy from collapsing
       onto one answer before the reward tells the answers apart (a collapsed group has no advantage left to
       learn from). 0 (the default) adds nothing and costs nothing.
-    entropy_target: None (the default) or a number of nats: the bonus acts only while the mean entropy of the
-      sampled tokens (over the micro-batch) is below it, as Skywork-OR1's adaptive entropy control switches its
-      term off above its target. A bonus always on pushes every position towards uniform once the advantages
-      vanish (with Adam a full step, whatever the coefficient); gated, it holds the entropy up near the target.
+    entropy_floor: None (the default) or a number of nats: the bonus acts only on sampled tokens whose entropy is
+      below it (the bonus is on min(entropy, floor)). An unbounded bonus keeps raising the entropy wherever the
+      reward does not care (with Adam, a full step once the advantages vanish), which fills turns with junk; the
+      floor keeps each position from collapsing without pushing any above it.
     """
 
     loss_type: str = "grpo"
@@ -88,7 +88,7 @@ class LossConfig:
     off_policy: str = "tis"
     tis_cap: float = 2.0
     entropy_coef: float = 0.0
-    entropy_target: float | None = None
+    entropy_floor: float | None = None
 
     @property
     def needs_reference(self) -> bool:
@@ -110,10 +110,10 @@ class LossConfig:
                 p.append(f"{key}={getattr(self, key)}: allowed >= 0")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             p.append(f"dual_clip={self.dual_clip}: allowed None or a value > 1")
-        if self.entropy_target is not None and not self.entropy_target > 0.0:
-            p.append(f"entropy_target={self.entropy_target}: allowed None (the bonus always on) or > 0 nats")
-        if self.entropy_target is not None and self.entropy_coef == 0.0:
-            p.append(f"entropy_target={self.entropy_target}: needs entropy_coef > 0 (the bonus it switches)")
+        if self.entropy_floor is not None and not self.entropy_floor > 0.0:
+            p.append(f"entropy_floor={self.entropy_floor}: allowed None (the bonus on every token) or > 0 nats")
+        if self.entropy_floor is not None and self.entropy_coef == 0.0:
+            p.append(f"entropy_floor={self.entropy_floor}: needs entropy_coef > 0 (the bonus it bounds)")
         if not self.tis_cap > 0.0:
             p.append(f"tis_cap={self.tis_cap}: allowed > 0")
         if self.aggregation == "seq_mean_token_sum_norm" and not self.max_completion_len > 0:
@@ -279,14 +279,13 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
             loss = loss + config.kl_coef * kl_loss
         metrics |= {"kl/loss": kl_loss, "kl/mean": _masked_mean(kl, m)}
     if config.entropy_coef != 0.0:
-        entropy_loss = aggregate(jnp.where(m, entropies, 0.0).astype(dtype), mf, config.aggregation,
+        bonused = entropies if config.entropy_floor is None else jnp.minimum(entropies, config.entropy_floor)
+        entropy_loss = aggregate(jnp.where(m, bonused, 0.0).astype(dtype), mf, config.aggregation,
                                  config.max_completion_len, sequences)
-        coef = jnp.asarray(config.entropy_coef, dtype)
-        if config.entropy_target is not None:
-            below = _masked_mean(jax.lax.stop_gradient(jnp.where(m, entropies, 0.0)), m) < config.entropy_target
-            coef = jnp.where(below, coef, 0.0)
-            metrics["entropy/bonus_on"] = below.astype(dtype)
-        loss = loss - coef * entropy_loss
+        loss = loss - config.entropy_coef * entropy_loss
+        if config.entropy_floor is not None:
+            below = jax.lax.stop_gradient(entropies < config.entropy_floor)
+            metrics["entropy/below_floor"] = _masked_mean(below.astype(dtype), m)
 
     sg = jax.lax.stop_gradient
     r, a = sg(ratio), sg(adv)
