@@ -71,8 +71,8 @@ class LossConfig:
       learn from). 0 (the default) adds nothing and costs nothing.
     entropy_floor: None (the default) or a number of nats: the bonus acts only on sampled tokens whose entropy is
       below it (the bonus is on min(entropy, floor)). An unbounded bonus keeps raising the entropy wherever the
-      reward does not care (with Adam, a full step once the advantages vanish), which fills turns with junk; the
-      floor keeps each position from collapsing without pushing any above it.
+      reward does not care (with Adam, a full step once the advantages vanish), which fills turns with junk; with
+      a floor it pushes only the positions under it, never one above it.
     """
 
     loss_type: str = "grpo"
