@@ -299,6 +299,14 @@ def test_aggregate_simple_values():
     assert float(aggregate(x, m, "seq_mean_token_sum_norm", 6)) == pytest.approx((6 / 6 + 4 / 6) / 2)
 
 
+def entropy_gradient(b, cfg: LossConfig) -> np.ndarray:
+    """d loss / d entropies for batch `b`: where the entropy bonus (and its floor) reaches, and with what weight."""
+    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
+    return np.asarray(jax.grad(lambda ent: policy_loss(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"],
+                                                       j["ref_logprobs"], j["advantages"], j["mask"], cfg,
+                                                       entropies=ent)[0])(j["entropies"]))
+
+
 @pytest.mark.parametrize("aggregation", AGGS)
 def test_entropy_bonus_matches_numpy_and_its_gradient_is_the_aggregations_weight(aggregation):
     cfg = dataclasses.replace(config_for("grpo", aggregation, 2.5, "tis", "k3"), entropy_coef=0.03)
@@ -308,10 +316,7 @@ def test_entropy_bonus_matches_numpy_and_its_gradient_is_the_aggregations_weight
     np.testing.assert_allclose(float(loss), ref_loss(b, cfg), rtol=2e-5, atol=1e-6)
     without, _ = call(b, dataclasses.replace(cfg, entropy_coef=0.0))
     assert float(without) - float(loss) > 1e-3  # the bonus lowers the loss: entropies are >= 0
-    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
-    grad = np.asarray(jax.grad(lambda ent: policy_loss(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"],
-                                                       j["ref_logprobs"], j["advantages"], j["mask"], cfg,
-                                                       entropies=ent)[0])(j["entropies"]))
+    grad = entropy_gradient(b, cfg)
     mask = b["mask"]
     lengths, sequences = mask.sum(1, keepdims=True), mask.any(1).sum()
     per_token = {"token_mean": np.full(mask.shape, 1.0 / mask.sum()),
@@ -336,10 +341,7 @@ def test_entropy_floor_bonuses_only_the_tokens_below_it():
     np.testing.assert_allclose(float(floored_metrics["entropy/below_floor"]), (entropies < floor)[mask].mean(),
                                rtol=1e-6)
     # The gradient reaches exactly the tokens below the floor (above it the bonus is a constant).
-    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
-    grad = np.asarray(jax.grad(lambda ent: policy_loss(
-        j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"], j["ref_logprobs"], j["advantages"], j["mask"],
-        dataclasses.replace(cfg, entropy_floor=floor), entropies=ent)[0])(j["entropies"]))
+    grad = entropy_gradient(b, dataclasses.replace(cfg, entropy_floor=floor))
     below = mask & (entropies < floor)
     assert below.any() and (mask & ~below).any()
     np.testing.assert_allclose(grad[below], -cfg.entropy_coef / mask.sum(), rtol=1e-5)

@@ -284,8 +284,8 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
                                  config.max_completion_len, sequences)
         loss = loss - config.entropy_coef * entropy_loss
         if config.entropy_floor is not None:
-            below = jax.lax.stop_gradient(entropies < config.entropy_floor)
-            metrics["entropy/below_floor"] = _masked_mean(below.astype(dtype), m)
+            below = (entropies < config.entropy_floor).astype(dtype)  # a comparison: no gradient to stop
+            metrics["entropy/below_floor"] = _masked_mean(below, m)
 
     sg = jax.lax.stop_gradient
     r, a = sg(ratio), sg(adv)
