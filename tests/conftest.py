@@ -147,9 +147,10 @@ def small_disk(tmp_path, request):
 # for the fixtures.) `--no-loadscope-reorder` keeps the order below, longest modules first (measured with
 # `--durations=0`), so that neither worker is left alone with a long one at the end; and the several-process
 # runs of test_multiprocess stay on one worker, never two of them at once on the machine's 2 cores.
-LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_lora", "test_learner", "test_fit", "test_weight_sync",
-                 "test_warm_start", "test_trainer", "test_evaluation", "test_engine", "test_checkpoint",
-                 "test_resume_e2e", "test_packing", "test_checkpoint_faults", "test_plan", "test_run_dir_faults"]
+LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_multiturn_training", "test_lora", "test_learner",
+                 "test_fit", "test_weight_sync", "test_warm_start", "test_trainer", "test_evaluation", "test_engine",
+                 "test_checkpoint", "test_resume_e2e", "test_packing", "test_checkpoint_faults", "test_plan",
+                 "test_run_dir_faults"]
 
 
 def pytest_collection_modifyitems(config, items):

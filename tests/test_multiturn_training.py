@@ -3,12 +3,15 @@ each packed segment match the continuation engine's behaviour log-probs at stale
 the whole trainer), only sampled tokens are trained, and a short run learns to call the tool, which a policy that
 does not call cannot score anything for, with every prompt accounted for once."""
 
+import asyncio
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -64,6 +67,34 @@ def test_a_short_run_learns_to_call_the_tool(tmp_path):
     audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True,
                            text=True, env=env)
     assert audit.returncode == 0 and "lost:                 0" in audit.stdout, audit.stdout + audit.stderr
+
+
+class Jittery(FetchCodeEnv):
+    """fetch_code whose steps answer after a random delay (0-20 ms, from an unseeded generator): the environment's
+    answers come back in another order in each run."""
+
+    async def step(self, turn):
+        await asyncio.sleep(random.uniform(0, 0.02))
+        return await super().step(turn)
+
+
+def test_a_synchronous_run_is_the_same_run_every_time(tmp_path):
+    """At max_staleness 0 (the config's) a seed gives one run, whenever the environment answers: the same rewards
+    and bit-identical parameters. configs/tiny_multiturn_cpu.yaml's result rests on it."""
+    runs = []
+    for name in ("first", "second"):
+        config = multiturn_config(tmp_path / name, "trainer.max_steps=3", "grpo.prompts_per_step=4",
+                                  "grpo.group_size=4", "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
+                                  f"env.name={__name__}:Jittery")
+        assert config.grpo.max_staleness == 0
+        trainer = Trainer(config)
+        history = trainer.train()
+        runs.append(([(m["reward/mean"], m["num_tokens"], m["env/turns"]) for m in history],
+                     [np.asarray(x) for x in jax.device_get(jax.tree.leaves(trainer.learner.params))]))
+    (first_metrics, first_params), (second_metrics, second_params) = runs
+    assert len(first_metrics) == 3 and first_metrics == second_metrics
+    for a, b in zip(first_params, second_params, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------ per-step rewards and env.advantage
