@@ -1,7 +1,8 @@
 """Training with a multi-turn environment (configs/tiny_multiturn_cpu.yaml, fetch_code): the learner's log-probs of
 each packed segment match the continuation engine's behaviour log-probs at staleness 0 (token-in/token-out through
 the whole trainer), only sampled tokens are trained, and a short run learns to call the tool, which a policy that
-does not call cannot score anything for, with every prompt accounted for once."""
+does not call cannot score anything for, with every prompt accounted for once; a synchronous run is the same run
+every time."""
 
 import asyncio
 import dataclasses
@@ -11,7 +12,6 @@ import random
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -20,6 +20,7 @@ from grpo_jax.envs.synthetic import FetchCodeEnv
 from grpo_jax.errors import ConfigError, TrainerError
 from grpo_jax.run.config import Config
 from grpo_jax.run.trainer import Trainer
+from test_checkpoint import params_of
 from test_trainer import REPO
 from test_trainer_learning import capture_first_batch
 
@@ -89,8 +90,7 @@ def test_a_synchronous_run_is_the_same_run_every_time(tmp_path):
         assert config.grpo.max_staleness == 0
         trainer = Trainer(config)
         history = trainer.train()
-        runs.append(([(m["reward/mean"], m["num_tokens"], m["env/turns"]) for m in history],
-                     [np.asarray(x) for x in jax.device_get(jax.tree.leaves(trainer.learner.params))]))
+        runs.append(([(m["reward/mean"], m["num_tokens"], m["env/turns"]) for m in history], params_of(trainer)))
     (first_metrics, first_params), (second_metrics, second_params) = runs
     assert len(first_metrics) == 3 and first_metrics == second_metrics
     for a, b in zip(first_params, second_params, strict=True):
