@@ -593,8 +593,8 @@ def test_safetensors_roundtrip_with_reference_library(tmp_path):
     ref = safetensors.numpy.load_file(tmp_path / "ours.safetensors")  # the reference reader accepts our file
     ours = load_file(tmp_path / "ours.safetensors")
     for name, value in tensors.items():
-        if name != "bf16":  # safetensors.numpy has no bfloat16
-            np.testing.assert_array_equal(ref[name], value)
+        assert ref[name].dtype == value.dtype  # bfloat16 too (through ml_dtypes)
+        np.testing.assert_array_equal(ref[name], value)
         assert ours[name].dtype == value.dtype and ours[name].shape == value.shape
         np.testing.assert_array_equal(ours[name], value)
     written_by_torch = {"w": torch.randn(2, 3, dtype=torch.bfloat16), "i": torch.arange(4)}
@@ -602,7 +602,7 @@ def test_safetensors_roundtrip_with_reference_library(tmp_path):
     ours = load_file(tmp_path / "ref.safetensors")
     np.testing.assert_array_equal(ours["w"].astype(np.float32), written_by_torch["w"].float().numpy())
     np.testing.assert_array_equal(ours["i"], np.arange(4))
-    assert not ours["w"].flags.writeable  # a read-only view of the mapped file, not a copy
+    assert not ours["w"].flags.writeable  # the file's data: read-only (tests/test_safetensors_io.py: memory)
 
 
 def test_load_onto_mesh(checkpoints, loaded):
