@@ -7,10 +7,13 @@ import pathlib
 
 import pytest
 
+from grpo_jax import json_text
 from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.data import pipeline as data
+from grpo_jax.data.collector import Collector
 from grpo_jax.data.pipeline import DataConfig, DataError, dataset_fingerprint, make_data_iterator
 from grpo_jax.data.tokenizer import Tokenizer
+from grpo_jax.state.checkpoint import with_checksum
 
 TEMPLATE = "Question: {question}\nAnswer:"
 
@@ -148,6 +151,80 @@ def test_malformed_rows_become_bad_row_records(tmp_path, tok):
     assert "line 5" in first[4]["detail"]  # the file's line number, blank lines counted
     assert first[7]["prompt_text"] == "Last one"
     assert [r.get("bad_row") for r in records[8:]] == [r.get("bad_row") for r in first]
+
+
+def _row_with_meta(i: int, meta: str) -> str:
+    return json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i)})[:-1] + f', "meta": {meta}}}'
+
+
+# Valid JSON that json.loads cannot read (RecursionError; ValueError over sys.get_int_max_str_digits), and rows that
+# pass the read at its bounds: nested MAX_DEPTH deep (the row's own object is level 1), and NaN (which pandas writes).
+DEEP_ROWS = {
+    1: ("[" * 2000 + "]" * 2000, "nested 2001 deep, more than the 100 levels read"),
+    3: ("1" * 5000, "an integer longer than the 4300 digits read"),
+    4: ("[" * 100 + "]" * 100, "nested 101 deep, more than the 100 levels read"),
+    6: ("[" * 99 + "7" + "]" * 99, None),
+    7: ("NaN", None),
+}
+
+
+def test_rows_nested_too_deep_or_with_too_long_an_integer_are_bad_rows_and_the_stream_resumes(tmp_path, tok):
+    # Each pass of a bad row through the pipeline, the collector and a checkpoint, and a resume past the next ones.
+    lines = [_row_with_meta(i, DEEP_ROWS[i % 8][0]) if i % 8 in DEEP_ROWS else _row_with_meta(i, "0")
+             for i in range(24)]
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = DataConfig(path=str(path), shuffle=False, num_epochs=1, max_prompt_len=100)
+
+    def account(prompts):
+        """Drop the bad rows as the actor does, train the rest; (dataset_index, detail) of the drops."""
+        drops = []
+        for p in prompts:
+            if p.bad_row:
+                collector.mark_dropped(p.ordinal, "bad_row", f"{p.bad_row}: {p.record['detail']}")
+                drops.append((p.dataset_index, p.record["detail"]))
+            else:
+                collector.mark_finished(p.ordinal)
+                collector.mark_trained([p.ordinal])
+        return drops
+
+    def expected(indices):
+        return [(i, f"deep.jsonl line {i + 1}: {DEEP_ROWS[i % 8][1]}") for i in indices
+                if i % 8 in DEEP_ROWS and DEEP_ROWS[i % 8][1]]
+
+    collector = Collector(make_data_iterator(config, tok), handout_size=4)
+    first = collector.handout() + collector.handout()
+    assert account(first) == expected(range(8))
+    good = {p.dataset_index: p.record["row"] for p in first if not p.bad_row}
+    assert good[7]["meta"] == "NaN" and good[6]["meta"] == json.loads(DEEP_ROWS[6][0])  # kept, as plain JSON
+    # What a checkpoint writes (the buffer's rows, the collector's state) writes and reads back.
+    assert with_checksum({"rows": list(good.values())})["rows"] == list(good.values())
+    state = json.loads(json.dumps(collector.checkpoint_state([])))
+
+    collector = Collector.restore(make_data_iterator(config, tok), state, handout_size=4)
+    rest = [p for handout in iter(collector.handout, []) for p in handout]
+    assert [p.dataset_index for p in rest] == list(range(8, 24))
+    assert account(rest) == expected(range(8, 24))
+    assert collector.is_drained()
+    # Evaluation reads held-out rows through the same source: the deep row is one of its bad rows too.
+    source = data.JsonlSource(path)
+    with pytest.raises(data._RowError, match="bad_json: deep.jsonl line 2: nested 2001 deep"):
+        source[1]
+
+
+def test_json_value_refuses_a_row_nested_deeper_than_it_reads():
+    # Parquet and TFDS rows are Python values already: json_value, which walks them, bounds their depth itself.
+    deep = 0
+    for _ in range(json_text.MAX_DEPTH):
+        deep = [deep]
+    assert data.json_value({"meta": deep[0]}) == {"meta": deep[0]}
+    with pytest.raises(data._RowError, match=r"unsupported_value: row\['meta'\]\[0\]\[0\].* is nested more than 100 "
+                                             r"deep"):
+        data.json_value({"meta": deep})
+    for _ in range(2000):
+        deep = (deep,)
+    with pytest.raises(data._RowError, match="nested more than 100 deep"):
+        data.json_value(deep)
 
 
 def test_jsonl_index_across_read_chunks(tmp_path, monkeypatch, gsm8k_rows):

@@ -4,6 +4,8 @@ one that holds the GIL past its deadline (a regex that backtracks), and one that
 import itertools
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -28,7 +30,7 @@ MODULE = "misbehaving_rewards"
 
 # Rewards by import path, for worker processes (which build a reward from its name) and for `grpo-jax train`.
 MISBEHAVING = textwrap.dedent('''
-    import os, time
+    import os, subprocess, time
 
     def scaled(scale=1.0):
         def fn(records, completions, lengths):
@@ -63,6 +65,22 @@ MISBEHAVING = textwrap.dedent('''
     def always_hang():
         def fn(records, completions, lengths):
             time.sleep(600)
+        return fn
+
+    def starts_programs(output, pids):
+        """By completion: "hang" starts a program writing to the pipe `output` and waits for it (a hung verifier),
+        "spawn" starts one and returns; else its length. Each program's pid goes to the file `pids`."""
+        def fn(records, completions, lengths):
+            c = completions[0]
+            if c in ("hang", "spawn"):
+                with open(output, "wb") as out:
+                    program = subprocess.Popen(["sleep", "300"], stdout=out)
+                with open(pids, "a") as f:
+                    f.write(f"{program.pid}\\n")
+                if c == "hang":
+                    program.wait()
+                return [1.0]
+            return [float(len(c))]
         return fn
 ''')
 
@@ -308,6 +326,106 @@ def test_a_backtracking_regex_is_stopped_at_the_deadline_while_other_threads_run
     assert len(pids) == 4 and not any(alive(pid) for pid in pids)  # close() ended (and reaped) them
     with pytest.raises(RuntimeError, match="closed"):
         suite.score([{}], ["a"])
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, which init has yet to reap, has ended)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def writers_closed(reader: int, seconds: float) -> bool:
+    """Whether every writer of the FIFO open (non-blocking) as `reader` closes it within `seconds`."""
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        try:
+            if os.read(reader, 1 << 16) == b"":
+                return True
+        except BlockingIOError:  # a writer still holds it
+            time.sleep(0.02)
+    return False
+
+
+def test_the_programs_a_reward_call_started_end_with_its_worker_process(tmp_path, user_module):
+    # A verifier that hangs holding an output pipe: killed with the call at the deadline, not reparented to init
+    # holding the pipe for minutes. And one started by a call that returned is killed by close().
+    output, pids = tmp_path / "output", tmp_path / "pids"
+    os.mkfifo(output)
+    reader = os.open(output, os.O_RDONLY | os.O_NONBLOCK)  # first, so the reward's open for writing does not block
+    spec = {"name": f"{MODULE}:starts_programs", "kwargs": {"output": str(output), "pids": str(pids)},
+            "isolation": "process"}
+    started = []
+    try:
+        with R.RewardSuite([spec], timeout_s=1.0, workers=1) as suite:
+            wait_until_scored(suite, ["ab"])
+            result = suite.score([{}], ["hang"])
+            assert result.failed.tolist() == [True]
+            started = [int(pid) for pid in pids.read_text().split()]
+            assert writers_closed(reader, seconds=5.0), "the hung call's program still holds its output pipe"
+            assert not running(started[0])
+            start = time.monotonic()
+            wait_until_scored(suite, ["abc"])  # the replacement worker scores the next call, undelayed
+            assert time.monotonic() - start < 5.0
+            assert suite.score([{}], ["spawn"]).failed.tolist() == [False]
+            started = [int(pid) for pid in pids.read_text().split()]
+            assert running(started[1])
+        assert writers_closed(reader, seconds=5.0) and not running(started[1])
+    finally:
+        os.close(reader)
+        for pid in started:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+STARTS_A_PROGRAM_AND_ENDS = textwrap.dedent('''
+    import sys, threading, time
+    from grpo_jax.algorithm.rewards import RewardSuite
+    suite = RewardSuite([{"name": "MODULE:starts_programs", "kwargs": {"output": sys.argv[2], "pids": sys.argv[3]},
+                          "isolation": "process"}], timeout_s=30.0, workers=1)
+    assert not suite.score([{}], ["spawn"]).failed.any()
+    print(next(iter(suite._pools[0]._live)).process.pid, flush=True)
+    sys.stdin.readline()  # the test has seen the program run
+    if sys.argv[1] == "killed":  # in a call that hangs, so the worker does not see its requests pipe end
+        threading.Thread(target=suite.score, args=([{}], ["hang"]), daemon=True).start()
+        time.sleep(300)
+    # else the interpreter exits without close()
+''').replace("MODULE", MODULE)
+
+
+def test_reward_workers_and_their_programs_end_at_interpreter_exit_and_when_the_trainer_is_killed(tmp_path,
+                                                                                                  user_module):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_module), str(REPO)])}
+    for how in ("exits", "killed"):
+        output, pids = tmp_path / f"output-{how}", tmp_path / f"pids-{how}"
+        output.write_bytes(b"")
+        trainer = subprocess.Popen([sys.executable, "-c", STARTS_A_PROGRAM_AND_ENDS, how, str(output), str(pids)],
+                                   env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        left = []
+        try:
+            worker = int(trainer.stdout.readline())
+            left = [worker, int(pids.read_text())]
+            assert running(left[1])
+            trainer.stdin.write("\n")
+            trainer.stdin.flush()
+            if how == "killed":
+                while len(pids.read_text().split()) < 2:  # the hung call's program started
+                    time.sleep(0.02)
+                left.append(int(pids.read_text().split()[1]))
+                trainer.kill()  # no exit handler runs: the worker notices its parent is gone
+            assert trainer.wait(timeout=30) == (0 if how == "exits" else -signal.SIGKILL)
+            give_up = time.monotonic() + 2 + 3 * R._PARENT_POLL_S
+            while any(running(pid) for pid in left) and time.monotonic() < give_up:
+                time.sleep(0.02)
+            assert [pid for pid in left if running(pid)] == [], how
+        finally:
+            trainer.kill()
+            trainer.stdin.close()
+            trainer.stdout.close()
+            for pid in left:
+                if running(pid):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_where_rewards_run():

@@ -628,23 +628,37 @@ class _RewardPool:
             job.record(rows, *_call(self.fn, *arguments))
 
 
-# What a worker process runs (python -c ... REQUESTS_FD REPLIES_FD). It takes the parent's sys.path before importing
-# grpo_jax, so that grpo_jax and a user's reward module import there as they do in the parent. Ctrl-C reaches the
-# whole process group: the parent decides when its workers end.
+# What a worker process runs (python -c ... REQUESTS_FD REPLIES_FD PARENT_PID). It takes the parent's sys.path before
+# importing grpo_jax, so that grpo_jax and a user's reward module import there as they do in the parent. The worker
+# leads a session of its own, so Ctrl-C at the terminal does not reach it (the parent decides when its workers end),
+# and its pipes are not inherited by the programs a reward starts.
 _WORKER_BOOT = """\
-import signal, sys
+import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+for fd in sys.argv[1:3]:
+    os.set_inheritable(int(fd), False)
 from multiprocessing.connection import Connection
 requests = Connection(int(sys.argv[1]), writable=False)
 sys.path[:] = requests.recv()
 from grpo_jax.algorithm.rewards import _serve_in_worker
-_serve_in_worker(requests, Connection(int(sys.argv[2]), readable=False))
+_serve_in_worker(requests, Connection(int(sys.argv[2]), readable=False), int(sys.argv[3]))
 """
+_PARENT_POLL_S = 1.0
 
 
-def _serve_in_worker(requests, replies) -> None:
+def _end_with_parent(parent: int) -> None:
+    """Kill the worker's group once `parent` is gone: a parent killed outright (SIGKILL, the OOM killer) runs no
+    exit handler to do it, and a call that hangs would keep the worker, and what it started, running for good."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os.killpg(0, signal.SIGKILL)  # the worker leads its group: this ends it too
+
+
+def _serve_in_worker(requests, replies, parent: int) -> None:
     """A worker process's loop (see _WorkerProcess): build the function, then answer calls one at a time until
-    the parent closes the pipe."""
+    the parent closes the pipe. The parent kills the worker's group before it closes the pipe, so a pipe that
+    ends unkilled means the parent died: the group ends then, with what its reward started."""
+    threading.Thread(target=_end_with_parent, args=(parent,), daemon=True, name="end-with-parent").start()
     name, kwargs = requests.recv()
     try:
         fn = get_reward(name, **kwargs)
@@ -655,7 +669,8 @@ def _serve_in_worker(requests, replies) -> None:
     while True:
         try:
             records, completions, lengths = requests.recv()
-        except EOFError:
+        except EOFError:  # the parent died (see above)
+            os.killpg(0, signal.SIGKILL)
             return
         replies.send(_call(fn, records, completions, lengths))
 
@@ -677,15 +692,20 @@ def _exit_description(code: int | None) -> str:
 class _WorkerProcess:
     """A child Python process that builds one reward function (from its spec's name and kwargs) and runs its
     calls one at a time, over two pipes. Started with subprocess (fork and exec at once): forking a process
-    that runs JAX's threads is unsafe, and multiprocessing's spawn would run the user's __main__ script again."""
+    that runs JAX's threads is unsafe, and multiprocessing's spawn would run the user's __main__ script again.
+
+    The worker leads its own session and process group, which the programs its reward starts (a verifier, a
+    compiler) join: killing the worker kills the group, so none of them outlives it, reparented to init and
+    holding a pipe of the trainer's open. (A program that starts a session of its own leaves the group: what starts
+    one, as the sandbox does, ends it itself.)"""
 
     def __init__(self, spec: RewardSpec):
         child_requests, requests = os.pipe()
         replies, child_replies = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOT, str(child_requests), str(child_replies)],
-                pass_fds=(child_requests, child_replies), stdin=subprocess.DEVNULL)
+                [sys.executable, "-c", _WORKER_BOOT, str(child_requests), str(child_replies), str(os.getpid())],
+                pass_fds=(child_requests, child_replies), stdin=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
             for fd in (requests, replies):
                 os.close(fd)
@@ -696,6 +716,7 @@ class _WorkerProcess:
         self._requests = Connection(requests, readable=False)
         self._replies = Connection(replies, writable=False)
         self._ready = False
+        self._kill_lock = threading.Lock()  # the group is killed before the worker is reaped, once
         self.dead = False  # the process exited (or was killed): replace it
         self.failure: str | None = None  # why it could not build the function: every call fails with this
         try:
@@ -730,11 +751,23 @@ class _WorkerProcess:
             return self._replies.recv()
         except (EOFError, OSError):
             self.dead = True
+            exited = self._wait_for_exit(timeout=5.0)
+            self.signal_kill()  # what its reward started dies with it
+            return None, f"its worker process died ({_exit_description(self.process.returncode if exited else None)})"
+
+    def _wait_for_exit(self, timeout: float) -> bool:
+        """Whether the worker exits within `timeout` seconds, left unreaped: while it is a zombie its pid is
+        still its group's, which signal_kill then kills."""
+        give_up = time.monotonic() + timeout
+        while True:
             try:
-                code = self.process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            return None, f"its worker process died ({_exit_description(code)})"
+                if os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # already reaped (signal_kill, from close())
+                return True
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(0.01)
 
     def kill(self) -> None:
         """End the process and close the pipes. Only the thread that uses the worker (or close(), for an idle
@@ -744,13 +777,16 @@ class _WorkerProcess:
         self._replies.close()
 
     def signal_kill(self) -> None:
-        """End the process (and reap it) without touching the pipes, which another thread may be waiting on: it
-        then reads the end of the pipe and finds the worker dead."""
-        try:
-            self.process.kill()
-        except OSError:
-            pass
-        self.process.wait()
+        """End the process and every program in its group (and reap the process) without touching the pipes,
+        which another thread may be waiting on: it then reads the end of the pipe and finds the worker dead. The
+        group is killed only before the worker is reaped: after that its pid, the group's id, may name another."""
+        with self._kill_lock:
+            if self.process.returncode is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except OSError:  # the group is gone (ESRCH)
+                    pass
+            self.process.wait()
 
 
 def _signal_kill_all(workers: set) -> None:
@@ -764,7 +800,9 @@ class _ProcessPool:
     process it uses, which only waits on pipes (it never holds the GIL for long). A call still running at
     the deadline has its process killed, which stops even a call that holds the GIL in its process, and a
     fresh process is started in its place; a process that dies in a call fails that call's samples and is
-    replaced too. close() kills them all; whatever close() misses is killed when the interpreter exits."""
+    replaced too. close() kills them all; whatever close() misses is killed when the interpreter exits, and a
+    worker whose parent died without exiting (SIGKILL) kills itself. Killing a worker kills its process group: the
+    programs its reward started end with it (_WorkerProcess)."""
 
     def __init__(self, spec: RewardSpec, label: str, workers: int):
         self.spec, self.label, self.workers = spec, label, workers

@@ -19,7 +19,10 @@ ordinal on each element and the actor records malformed ones as `drop` events wi
     {"dataset_index", "epoch", "bad_row": <reason in BAD_ROW_REASONS>, "detail"}   a malformed row
 
 `row` holds plain JSON values only (json_value: datetimes become ISO strings, Decimals strings, bytes text
-or base64, ...), converted as the row is read, so that a checkpoint holding it can always be written.
+or base64, ...), converted as the row is read, so that a checkpoint holding it can always be written. It is
+nested at most json_text.MAX_DEPTH deep, so that nothing walking it later (a template, a reward's copy, a
+checkpoint) can exhaust the stack: a JSONL row nested deeper, or holding an integer longer than Python converts,
+is `bad_json` (read by json_text, which never raises anything else), a Parquet or TFDS value `unsupported_value`.
 
 prompt_text is the template (plain) or the tokenizer's chat template (chat) applied to the row; prompt_ids
 (np.int32) is tokenizer.encode_prompt(prompt_text), as transformers encodes it: a plain prompt starts with the
@@ -59,6 +62,7 @@ from typing import Any, Literal
 import grain
 import numpy as np
 
+from grpo_jax import json_text
 from grpo_jax.data.tasks import TASKS, make_synthetic_dataset
 from grpo_jax.errors import DataError
 
@@ -267,18 +271,28 @@ class JsonlSource:
         start, end = self._span(i)
         if 0 < self.max_row_bytes < end - start:
             raise _row_too_large(end - start, self.max_row_bytes)
+        raw = self.raw(i)
+        where = f"{self.path.name} line {int(self._lines[i]) + 1}"
+        encoding = json.detect_encoding(raw)  # as json.loads reads bytes: a UTF-8 byte-order mark is no error
         try:
-            return json.loads(self.raw(i))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _RowError("bad_json", f"{self.path.name} line {int(self._lines[i]) + 1}: {e}") from None
+            text = raw.decode(encoding)
+        except UnicodeDecodeError as e:
+            raise _RowError("bad_json", f"{where}: not {encoding} text ({e.reason} at byte {e.start})") from None
+        try:
+            # Bounded: a row nested thousands deep, or a 5000-digit integer, is a bad row, not an exception that
+            # stops the run on every resume; and every later walk of the row (json_value, a checkpoint, a reward's
+            # copy) stays far from the recursion limit. NaN stays readable: pandas writes it (json_value names it).
+            return json_text.loads(text, max_depth=json_text.MAX_DEPTH, allow_nan=True)
+        except json_text.JSONTextError as e:
+            raise _RowError("bad_json", f"{where}: {e}") from None
 
     def identity(self) -> dict:
         # The file name, size and content, not its directory: the same data under another mount still resumes.
         return {"kind": "jsonl", "file": self.path.name, "bytes": self.size, "sha256": self.sha256}
 
-    def __del__(self):
+    def __del__(self, _close=os.close):  # bound now: at interpreter exit the module's `os` may be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            _close(self._fd)
 
 
 class ParquetSource:
@@ -414,18 +428,20 @@ class SyntheticSource:
         return dict(self._identity)
 
 
-def json_value(value: Any, where: str = "row") -> Any:
+def json_value(value: Any, where: str = "row", depth: int = 0) -> Any:
     """`value` as plain JSON values, faithfully where JSON allows (docs/data-and-rewards.md lists the forms):
     datetime, date, time -> ISO 8601 strings; timedelta -> seconds; Decimal, UUID -> their exact strings;
     bytes -> the text if they are UTF-8, else base64; NaN and infinities -> "NaN", "Infinity", "-Infinity"
     (float() reads all of these back); numpy scalars and arrays -> Python numbers and lists; tuples ->
-    lists; mapping keys -> strings. Any other type makes the row bad (unsupported_value)."""
+    lists; mapping keys -> strings. Any other type, or containers nested deeper than json_text.MAX_DEPTH (the
+    row's own object is level 1, as a JSONL row is read), makes the row bad (unsupported_value). `depth`: the
+    containers around `value`."""
     if isinstance(value, np.datetime64):
         return str(np.datetime_as_string(value))
     if isinstance(value, np.timedelta64):
-        return json_value(float(value / np.timedelta64(1, "s")), where)
+        return json_value(float(value / np.timedelta64(1, "s")), where, depth)
     if isinstance(value, np.generic):  # np.float64 is a float and np.str_ a str: make them plain first
-        return json_value(value.item(), where)
+        return json_value(value.item(), where, depth)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -444,12 +460,15 @@ def json_value(value: Any, where: str = "row") -> Any:
             return value.decode("utf-8")
         except UnicodeDecodeError:
             return base64.b64encode(value).decode("ascii")
+    if isinstance(value, (dict, list, tuple)) and depth >= json_text.MAX_DEPTH:
+        shown = where if len(where) <= 60 else where[:60] + "..."
+        raise _RowError("unsupported_value", f"{shown} is nested more than {json_text.MAX_DEPTH} deep")
     if isinstance(value, dict):
-        return {str(k): json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {str(k): json_value(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, np.ndarray):
-        return json_value(value[()] if value.ndim == 0 else list(value), where)
+        return json_value(value[()] if value.ndim == 0 else list(value), where, depth)
     raise _RowError("unsupported_value", f"{where} is a {type(value).__name__}, which has no JSON form")
 
 
