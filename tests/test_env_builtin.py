@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +187,16 @@ def test_gsm8k_python_a_failure_of_the_sandbox_itself_fails_the_episode(gsm8k_ro
     with pytest.raises(SandboxError, match="the sandbox is closed"):
         asyncio.run(run_episode(env, RENDERER, gsm8k_rows[0], 0, scripted(
             call("python", {"code": DUCKS_PROGRAM}), "#### 18"), 4))
+
+
+def test_gsm8k_python_a_temporary_directory_the_sandbox_cannot_use_fails_the_episode_not_the_model(gsm8k_rows,
+                                                                                                     monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")  # gone, or full: the sandbox's failure
+    env = make_environment(EnvConfig(name="gsm8k_python"))
+    with pytest.raises(SandboxError, match="could not make the program's working directory in /nonexistent/tmp"):
+        asyncio.run(run_episode(env, RENDERER, gsm8k_rows[0], 0, scripted(
+            call("python", {"code": DUCKS_PROGRAM}), "#### 18"), 4))
+    assert isinstance(env.sandbox_error, SandboxError)
 
 
 def test_gsm8k_python_refuses_a_row_without_a_reference():

@@ -1,7 +1,10 @@
 """The sandbox for model-written code: limits that hold (wall clock, CPU, memory, output, processes), no network,
-nothing inherited, nothing left behind; and the python_output reward that runs completions in it."""
+nothing inherited, nothing written outside its directory, nothing left behind (processes, files, cgroups), the
+isolation probed and reported truthfully; and the python_output reward that runs completions in it."""
 
+import errno
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -18,41 +21,78 @@ import pytest
 
 from grpo_jax import sandbox
 from grpo_jax.algorithm import rewards as R
-from grpo_jax.sandbox import Sandbox, SandboxError
+from grpo_jax.sandbox import Isolation, Sandbox, SandboxError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SLACK_S = 0.5  # killing and reaping a program at its limit, on a busy 2-core machine
+ISOLATION = sandbox.probe_isolation()
+NAMESPACED = pytest.mark.skipif(ISOLATION.network != "namespace",
+                                reason="the kernel refuses user namespaces here: the guard refuses starting processes")
+READ_ONLY = pytest.mark.skipif(ISOLATION.files != "read_only", reason="the kernel refuses mount namespaces here")
 
 
 @pytest.fixture
-def shared_dir():
-    """A directory any user may write, for programs to leave traces in (a program may run as nobody)."""
-    path = tempfile.mkdtemp(prefix="sandbox_test_")
-    os.chmod(path, 0o777)
-    yield pathlib.Path(path)
+def run_dir(monkeypatch):
+    """A temporary directory of the test's own that the sandbox makes its working directories in, so that the
+    processes of its programs can be found (processes_in) and what runs leave behind listed."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="sandbox_test_"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
     shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
-def guard_only(monkeypatch):
-    """Sandboxes made from here on use the guard, as where the kernel refuses the namespaces."""
-    monkeypatch.setattr(sandbox, "probe_isolation", lambda: ("guard", False))
+def outside_dir():
+    """A directory outside every working directory and not hidden by the sandbox, with a file in it, which any
+    user may change today (0777 and 0666): a program must still not be able to."""
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else str(REPO)
+    path = pathlib.Path(tempfile.mkdtemp(prefix="sandbox_outside_", dir=base))
+    os.chmod(path, 0o777)
+    (path / "events.jsonl").write_text("kept\n")
+    os.chmod(path / "events.jsonl", 0o666)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
-def beating(path: pathlib.Path) -> str:
-    """Source lines that append a dot to `path` every 10 ms, forever: a process that shows whether it still runs."""
-    return f"""
-while True:
-    with open({str(path)!r}, "a") as beats:
-        beats.write(".")
-    time.sleep(0.01)
-"""
+def guarded(monkeypatch, network="guard", nobody=False, cgroup=()):
+    """Sandboxes made from here on have the guard's isolation, as where the kernel refuses the namespaces
+    (network="guard") or only the mounts (network="namespace")."""
+    isolation = Isolation(network, "guard", nobody, cgroup)
+    monkeypatch.setattr(sandbox, "probe_isolation", lambda: isolation)
+    return isolation
 
 
-def stops_beating(path: pathlib.Path) -> bool:
-    before = path.stat().st_size
-    time.sleep(0.3)
-    return path.stat().st_size == before
+def processes_in(directory: pathlib.Path) -> list[int]:
+    """The processes whose working directory lies in `directory`: a program's, and whatever it started."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if cwd.startswith(f"{directory}/"):
+            found.append(int(pid))
+    return found
+
+
+def wait_for(condition, timeout_s=10.0):
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.01)
+
+
+def our_cgroups() -> list[str]:
+    """The cgroups this process's sandboxes hold now."""
+    found = []
+    for place in sandbox._cgroup_places():
+        try:
+            names = os.listdir(place.directory)
+        except OSError:
+            continue
+        found += [os.path.join(place.directory, name) for name in names
+                  if name.startswith(f"{sandbox.CGROUP_PREFIX}.{os.getpid()}.")]
+    return found
 
 
 def timed_run(box: Sandbox, source: str, stdin: str = ""):
@@ -61,9 +101,14 @@ def timed_run(box: Sandbox, source: str, stdin: str = ""):
     return result, time.monotonic() - start
 
 
-def test_a_correct_program_gets_its_stdin_and_gives_its_stdout():
-    box = Sandbox()
-    assert box.network_isolation in sandbox.NETWORK_ISOLATIONS
+@pytest.fixture(scope="module")
+def box():
+    with Sandbox(timeout_s=10.0) as shared:
+        yield shared
+
+
+def test_a_correct_program_gets_its_stdin_and_gives_its_stdout(box):
+    assert box.network_isolation in sandbox.NETWORK_ISOLATIONS and box.isolation.files in sandbox.FILE_ISOLATIONS
     result = box.run_python("import sys\nwords = sys.stdin.read().split()\nprint(' '.join(reversed(words)))\n"
                             "print('note', file=sys.stderr)", "one two three")
     assert (result.stdout, result.stderr, result.exit_code, result.failure) == ("three two one\n", "note\n", 0, None)
@@ -74,8 +119,7 @@ def test_a_correct_program_gets_its_stdin_and_gives_its_stdout():
     assert box.run_python("print('done')", big).stdout == "done\n"
 
 
-def test_an_exception_is_an_error_with_the_program_s_own_traceback():
-    box = Sandbox()
+def test_an_exception_is_an_error_with_the_program_s_own_traceback(box):
     result = box.run_python("def f():\n    raise ValueError('no answer')\nf()\n")
     assert (result.failure, result.exit_code) == ("error", 1)
     assert result.stderr.startswith("Traceback (most recent call last):\n  File \"main.py\", line 3")
@@ -112,6 +156,21 @@ def test_a_program_that_handles_its_memory_error_is_not_a_failure():
     assert (result.failure, result.stdout) == (None, "too big\n")
 
 
+@pytest.mark.skipif("memory" not in ISOLATION.cgroup, reason="no memory cgroup can be made here")
+def test_processes_together_past_memory_mb_fail_with_memory_and_are_all_killed(run_dir):
+    # Six processes of 30 MB each, every one within its own 64 MB of address space: 180 MB together, against 64.
+    program = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        block = bytearray(30 << 20)\n"
+               "        for i in range(0, len(block), 4096):\n            block[i] = 1\n"
+               "        print('held', flush=True)\n        time.sleep(30)\ntime.sleep(30)")
+    before = our_cgroups()
+    with Sandbox(memory_mb=64, timeout_s=20.0) as box:
+        result, seconds = timed_run(box, program)
+    assert result.failure == "memory", result
+    assert result.stdout.count("held") <= 2 and seconds < 10, (result, seconds)  # killed at once, all of it
+    wait_for(lambda: processes_in(run_dir) == [], 2.0)
+    assert our_cgroups() == before  # the run's cgroup removed after it, the Sandbox's by close()
+
+
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_an_output_flood_is_cut_at_the_limit_and_killed_there(stream):
     result, seconds = timed_run(Sandbox(timeout_s=10.0, max_output_bytes=10_000),
@@ -127,14 +186,13 @@ def test_a_large_file_is_refused_past_max_file_bytes():
     assert result.failure == "error" and "File too large" in result.stderr
 
 
-def test_loopback_and_name_lookups_fail_with_network(shared_dir):
+def test_loopback_and_name_lookups_fail_with_network(box):
     server = socket.create_server(("127.0.0.1", 0))
     resolver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     resolver.bind(("127.0.0.1", 0))
     resolver.settimeout(0.2)
     try:
         socket.create_connection(server.getsockname(), timeout=1).close()  # reachable from here
-        box = Sandbox()
         connect = box.run_python(f"import socket\nsocket.create_connection({server.getsockname()!r}, timeout=2)")
         assert connect.failure == "network", connect.stderr
         # A query to a resolver: DNS-shaped exfiltration. Nothing may arrive.
@@ -154,10 +212,8 @@ def test_loopback_and_name_lookups_fail_with_network(shared_dir):
         resolver.close()
 
 
-def test_the_network_namespace_holds_for_programs_the_program_starts():
-    box = Sandbox()
-    if box.network_isolation != "namespace":
-        pytest.skip("the kernel refuses user and network namespaces here: the guard refuses starting programs")
+@NAMESPACED
+def test_the_network_namespace_holds_for_programs_the_program_starts(box):
     server = socket.create_server(("127.0.0.1", 0))
     try:
         # Another interpreter, without the sandbox's audit hook: only the kernel stands in its way.
@@ -169,7 +225,8 @@ def test_the_network_namespace_holds_for_programs_the_program_starts():
         server.close()
 
 
-def test_without_namespaces_the_guard_refuses_sockets_lookups_processes_and_ctypes(guard_only):
+def test_without_namespaces_the_guard_refuses_sockets_lookups_processes_and_ctypes(monkeypatch):
+    guarded(monkeypatch)
     box = Sandbox()
     assert box.network_isolation == "guard"
     refused = {
@@ -196,23 +253,167 @@ def test_without_namespaces_the_guard_refuses_sockets_lookups_processes_and_ctyp
     assert (result.failure, result.stdout) == (None, "b'x'\nloop\n")
 
 
-def test_processes_a_program_starts_die_with_it_at_the_timeout_even_outside_its_group(shared_dir):
+@pytest.mark.parametrize("network", ["guard", "namespace"])
+def test_without_mounts_the_guard_refuses_writing_outside_the_working_directory(monkeypatch, outside_dir, network):
+    if network == "namespace" and ISOLATION.network != "namespace":
+        pytest.skip("the kernel refuses user namespaces here")
+    guarded(monkeypatch, network)
+    box = Sandbox()
+    target = outside_dir / "events.jsonl"
+    for source in (f"open({str(target)!r}, 'a').write('x')", f"import os\nos.remove({str(target)!r})",
+                   f"import os\nos.rename({str(target)!r}, 'stolen')",
+                   f"import shutil\nshutil.rmtree({str(outside_dir)!r})",
+                   f"import os\nos.symlink({str(target)!r}, 'link')\nopen('link', 'a').write('x')",
+                   f"import os\nos.chdir({str(outside_dir)!r})\nopen('new', 'w')",
+                   f"import os\nos.open({str(outside_dir / 'new')!r}, os.O_WRONLY | os.O_CREAT)"):
+        result = box.run_python(source)
+        assert result.failure == "error" and "(outside the working directory) is not allowed" in result.stderr, \
+            (source, result.stderr)
+    assert sorted(os.listdir(outside_dir)) == ["events.jsonl"] and target.read_text() == "kept\n"
+    # Its own directory, a temporary file, reading anything, /dev/null: as before.
+    result = box.run_python("import os, tempfile\nopen('mine', 'w').write('x')\nos.makedirs('a/b')\n"
+                            "os.rename('mine', 'a/b/mine')\nwith tempfile.NamedTemporaryFile() as f:\n"
+                            "    f.write(b'x')\n"
+                            f"open('/dev/null', 'w').write('x')\nprint(open({str(target)!r}).read().strip(),"
+                            " sorted(os.listdir('.')))")
+    assert (result.failure, result.stdout) == (None, "kept ['a', 'main.py']\n"), result
+
+
+@READ_ONLY
+def test_a_program_cannot_write_any_file_the_launcher_or_the_interpreter_reads(box):
+    # Opened for appending and closed at once: nothing would be written even where the open succeeded.
+    program = """
+import ctypes, json, os, sys
+read = {m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+read.add(os.path.realpath(sys.executable))
+read = {path for path in read if not os.path.abspath(path).startswith(os.getcwd() + "/")}  # not its own main.py
+for path in sorted(read):
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        print("writable", path)
+    except OSError:
+        pass
+print("checked", len(read))
+"""
+    result = box.run_python(program)
+    assert result.ok and "writable" not in result.stdout, result
+    assert int(result.stdout.split()[-1]) > 20
+
+
+@READ_ONLY
+def test_nothing_a_program_writes_outlives_its_run(box, run_dir):
+    marker = f"grpo_jax_marker_{os.getpid()}"
+    for place in ("/tmp", "/dev/shm"):  # where the code before this fix left them
+        request_cleanup = pathlib.Path(place, marker)
+        if request_cleanup.exists():
+            request_cleanup.unlink()
+    program = ("import os\nfor place in ('/tmp', '/dev/shm', os.getcwd()):\n"
+               f"    open(os.path.join(place, {marker!r}), 'w').write('x')\n"
+               f"print(sorted(os.path.exists(os.path.join(p, {marker!r})) for p in ('/tmp', '/dev/shm')))")
+    assert box.run_python(program).stdout == "[True, True]\n"  # a private /tmp and /dev/shm, writable
+    left = [place for place in ("/tmp", "/dev/shm") if os.path.exists(f"{place}/{marker}")]
+    for place in left:
+        os.remove(f"{place}/{marker}")
+    assert left == []
+    second = box.run_python(f"import os\nprint([os.path.exists(os.path.join(p, {marker!r})) for p in ('/tmp', "
+                            "'/dev/shm', '.')])")
+    assert second.stdout == "[False, False, False]\n"
+    assert os.listdir(run_dir) == []  # its working directories removed
+
+
+@READ_ONLY
+def test_a_program_cannot_touch_a_run_directory_nor_see_the_trainer_s_processes(box, outside_dir):
+    target = outside_dir / "events.jsonl"
+    paths = [str(target), f"/proc/{os.getpid()}/root{target}", f"/proc/{os.getpid()}/cwd/events.jsonl"]
+    os.chdir(outside_dir)  # as a trainer started in its run directory
+    try:
+        program = f"""
+import os, shutil
+print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+for path in {paths!r}:
+    changes = (lambda: open(path, "a").write("x"), lambda: os.remove(path),
+               lambda: shutil.rmtree(os.path.dirname(path)))
+    for change in changes:
+        try:
+            change()
+            print("changed", path)
+        except OSError as e:
+            print("refused", e.errno)
+"""
+        result = box.run_python(program)
+    finally:
+        os.chdir(REPO)
+    assert result.ok and "changed" not in result.stdout, result
+    assert result.stdout.splitlines()[0] == "pids [1, 2]"  # its init and itself: the trainer's are not there
+    assert {int(line.split()[1]) for line in result.stdout.splitlines()[1:]} <= {errno.EROFS, errno.ENOENT,
+                                                                               errno.EACCES}
+    assert sorted(os.listdir(outside_dir)) == ["events.jsonl"] and target.read_text() == "kept\n"
+
+
+@READ_ONLY
+def test_the_trainer_s_home_and_sockets_are_hidden_but_the_interpreter_is_not(box):
+    home = sandbox._masks()
+    program = ("import os, subprocess, sys\nprint(os.listdir('/run'))\n"
+               "print(subprocess.run([sys.executable, '-c', 'import fractions; print(2)'], capture_output=True,"
+               " text=True).stdout.strip())")
+    result = box.run_python(program)
+    assert result.stdout == "[]\n2\n", (result, home)
+    hidden = [path for path, private in home if not private and path != "/run"]
+    for path in hidden:  # the home directory: only the interpreter's own directories in it, if any
+        listing = box.run_python(f"import os\nprint(sorted(os.listdir({path!r})))").stdout
+        assert set(eval(listing)) <= {os.path.relpath(p, path).split("/")[0] for p in sandbox._kept_paths()}
+
+
+@NAMESPACED
+def test_a_program_holds_no_capability_and_cannot_undo_its_mounts(box):
+    result = box.run_python("import ctypes, os\nstatus = open('/proc/self/status').read()\n"
+                            "print([line.split()[1] for line in status.splitlines() if line.startswith(('CapEff', "
+                            "'CapPrm', 'NoNewPrivs'))])\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                            "print(libc.umount2(b'/proc', 2), ctypes.get_errno())")
+    assert result.stdout == f"['0000000000000000', '0000000000000000', '1']\n-1 {errno.EPERM}\n", result
+
+
+@NAMESPACED
+def test_processes_a_program_starts_die_with_it_at_the_timeout_even_outside_its_group(run_dir):
     box = Sandbox(timeout_s=1.0)
+    program = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        os.setsid()\n"
+               "        os.execv('/bin/sleep', ['sleep', '60'])\nprint('started', flush=True)\ntime.sleep(60)")
+    result, seconds = timed_run(box, program)
+    assert result.failure == "timeout" and result.stdout == "started\n" and seconds < 1.0 + SLACK_S
+    wait_for(lambda: processes_in(run_dir) == [], 2.0)
+
+
+def test_limits_hold_for_processes_even_for_a_root_trainer(run_dir):
+    box = Sandbox(max_processes=8, timeout_s=20.0)
     if box.network_isolation != "namespace":
         pytest.skip("without a PID namespace the guard refuses starting processes (tested above)")
-    beats = shared_dir / "beats"
-    program = "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os.setsid()\n" + \
-              "\n".join("        " + line for line in beating(beats).splitlines()) + "\ntime.sleep(60)"
-    result, seconds = timed_run(box, program)
-    assert result.failure == "timeout" and seconds < 1.0 + SLACK_S
-    assert beats.stat().st_size > 0  # the children ran
-    assert stops_beating(beats)
+    if os.geteuid() == 0 and not box.runs_as_nobody and "pids" not in box.isolation.cgroup:
+        pytest.skip("programs run as root here, without a pids cgroup: max_processes does not hold (documented)")
+    program = ("import os, signal\nstarted = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+               "    except OSError:\n        break\n    if pid == 0:\n        signal.pause()\n    started += 1\n"
+               "print(started + 1)")
+    result = box.run_python(program)
+    assert result.ok and int(result.stdout) == 8, result  # the program and 7 children: max_processes at once
+    threads = box.run_python("import threading, time\nstarted = 0\nfor _ in range(40):\n    try:\n"
+                             "        threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+                             "    except RuntimeError:\n        break\n    started += 1\nprint(started + 1)")
+    assert threads.ok and int(threads.stdout) <= 8, threads
 
 
-def test_the_environment_is_scrubbed_and_the_working_directory_is_fresh_and_removed(monkeypatch):
+def test_a_root_trainer_s_programs_run_as_nobody_where_they_can(box):
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to nobody")
+    uid = box.run_python("import os\nprint(os.getuid(), open('/proc/self/uid_map').read().split())").stdout.split()
+    if box.runs_as_nobody and box.network_isolation == "namespace":
+        assert uid[0] == str(sandbox.INSIDE_ID) and eval(" ".join(uid[1:])) == [str(sandbox.INSIDE_ID),
+                                                                                 str(sandbox.NOBODY), "1"]
+    elif box.runs_as_nobody:
+        assert uid[0] == str(sandbox.NOBODY)
+
+
+def test_the_environment_is_scrubbed_and_the_working_directory_is_fresh_and_removed(monkeypatch, box):
     monkeypatch.setenv("WANDB_API_KEY", "secret-wandb")
     monkeypatch.setenv("HF_TOKEN", "secret-hf")
-    box = Sandbox()
     program = ("import json, os\nos.makedirs('locked/inner')\nopen('locked/inner/f', 'w').write('x')\n"
                "os.chmod('locked', 0)\nprint(json.dumps({'cwd': os.getcwd(), 'env': dict(os.environ), "
                "'files': sorted(os.listdir('.'))}))")
@@ -225,37 +426,15 @@ def test_the_environment_is_scrubbed_and_the_working_directory_is_fresh_and_remo
     assert not os.path.exists(first["cwd"]) and not os.path.exists(second["cwd"])
 
 
-def test_a_root_trainer_s_programs_run_as_nobody_where_they_can(monkeypatch, shared_dir):
-    if os.geteuid() != 0:
-        pytest.skip("only root drops to nobody")
-    network, _ = sandbox.probe_isolation()
-    owned_by_root = shared_dir / "owned_by_root"
-    owned_by_root.write_text("")
-    os.chmod(owned_by_root, 0o644)
-    append = f"open({str(owned_by_root)!r}, 'a').write('x')"
-    if not Sandbox().runs_as_nobody:  # as here, where the standard library is root's alone: root's files are open
-        assert Sandbox().run_python(append).ok
-    # Forced (the programs below use only modules the launcher has loaded, readable or not).
-    monkeypatch.setattr(sandbox, "probe_isolation", lambda: (network, True))
-    box = Sandbox(max_processes=4)
-    result = box.run_python(append)
-    assert result.failure == "error" and "PermissionError" in result.stderr
-    if network == "namespace":  # RLIMIT_NPROC applies to nobody: 4 processes, the program's own included
-        forks = box.run_python("import os, signal\nstarted = 0\nfor _ in range(10):\n    try:\n"
-                               "        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n"
-                               "        signal.pause()\n    started += 1\nprint(started)")
-        assert forks.stdout == "3\n", forks
-
-
-def test_eight_threads_share_two_workers_never_more(shared_dir):
+def test_six_threads_share_two_workers_never_more():
     box = Sandbox(workers=2, timeout_s=10.0)
-    program = "import time\nstart = time.time()\ntime.sleep(0.3)\nprint(start, time.time())"
-    results = [None] * 8
+    program = "import time\nstart = time.time()\ntime.sleep(0.2)\nprint(start, time.time())"
+    results = [None] * 6
 
     def run(i):
         results[i] = box.run_python(program)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -269,51 +448,175 @@ def test_eight_threads_share_two_workers_never_more(shared_dir):
     assert most == 2
 
 
-def test_close_kills_the_running_programs_and_refuses_more(shared_dir):
+def test_close_kills_the_running_programs_refuses_more_and_removes_its_cgroups(run_dir):
+    before = our_cgroups()
     box = Sandbox(timeout_s=30.0)
-    beats = shared_dir / "beats"
     outcome = {}
 
     def run():
         try:
-            box.run_python("import time\n" + beating(beats))
+            box.run_python("import time\nopen('started', 'w').close()\ntime.sleep(60)")
         except SandboxError as e:
             outcome["error"] = str(e)
 
     thread = threading.Thread(target=run)
     thread.start()
-    give_up = time.monotonic() + 10
-    while not beats.exists() and time.monotonic() < give_up:
-        time.sleep(0.01)
+    wait_for(lambda: any((run_dir / name / "started").exists() for name in os.listdir(run_dir)))
+    assert processes_in(run_dir)
     box.close()
     thread.join(timeout=5)
     assert not thread.is_alive() and outcome["error"] == "the sandbox was closed while the program ran"
-    assert stops_beating(beats)
+    wait_for(lambda: processes_in(run_dir) == [], 2.0)
+    assert os.listdir(run_dir) == [] and our_cgroups() == before
     with pytest.raises(SandboxError, match="closed"):
         box.run_python("print(1)")
 
 
 @pytest.mark.parametrize("end", ["exits", "is killed"])
-def test_programs_still_running_when_the_interpreter_ends_are_killed(shared_dir, end):
-    beats, workdir = shared_dir / "beats", shared_dir / "workdir"
-    program = f"import os, time\nopen({str(workdir)!r}, 'w').write(os.getcwd())" + beating(beats)
+def test_programs_still_running_when_the_interpreter_ends_are_killed(run_dir, end):
     script = f"""
 import os, signal, threading, time
 from grpo_jax.sandbox import Sandbox
 box = Sandbox(timeout_s=60.0)
-threading.Thread(target=box.run_python, args=({program!r},), daemon=True).start()
+threading.Thread(target=box.run_python, args=("import time\\nopen('started', 'w').close()\\ntime.sleep(60)",),
+                 daemon=True).start()
 give_up = time.monotonic() + 10
-while not os.path.exists({str(beats)!r}) and time.monotonic() < give_up:
+while not any(os.path.exists(os.path.join({str(run_dir)!r}, d, "started")) for d in os.listdir({str(run_dir)!r})):
+    assert time.monotonic() < give_up
     time.sleep(0.01)
+print(os.getpid(), flush=True)
 if {end == "is killed"}:  # no atexit, no finalizer: only the kernel can end the program
     os.kill(os.getpid(), signal.SIGKILL)
 """
-    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=30)
-    assert ended.returncode == (-signal.SIGKILL if end == "is killed" else 0)
-    assert stops_beating(beats)
+    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=30, capture_output=True, text=True,
+                           env={**os.environ, "TMPDIR": str(run_dir)})
+    assert ended.returncode == (-signal.SIGKILL if end == "is killed" else 0), ended.stderr
+    wait_for(lambda: processes_in(run_dir) == [], 2.0)
+    pid = int(ended.stdout)
+    left = [path for place in sandbox._cgroup_places() for path in
+            (os.path.join(place.directory, name) for name in os.listdir(place.directory))
+            if os.path.basename(path).startswith(f"{sandbox.CGROUP_PREFIX}.{pid}.")]
     if end == "exits":
-        assert not os.path.exists(workdir.read_text())
-    shutil.rmtree(workdir.read_text(), ignore_errors=True)  # what a killed trainer leaves (documented)
+        assert os.listdir(run_dir) == [] and left == []
+    else:  # its working directory and its cgroups stay (documented): the next Sandbox's first run removes the latter
+        assert len(os.listdir(run_dir)) == 1 and len(left) == len(sandbox._places_for(ISOLATION))
+        with Sandbox() as next_box:
+            assert next_box.run_python("print(1)").ok
+        assert not any(os.path.exists(path) for path in left)
+
+
+def test_a_sandbox_leaves_no_cgroup_behind(box):
+    if not ISOLATION.cgroup:
+        pytest.skip("no cgroup can be made here")
+    before = our_cgroups()
+    with Sandbox() as other:
+        assert other.run_python("print(1)").ok
+        made = set(our_cgroups()) - set(before)
+        assert len(made) == len(sandbox._places_for(ISOLATION))  # a parent in each hierarchy
+        assert not any(entry.is_dir() for path in made for entry in os.scandir(path))  # no run's left in them
+    assert our_cgroups() == before
+
+
+def test_a_failure_of_the_sandbox_itself_is_a_sandbox_error_never_a_failure(monkeypatch, box):
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")  # as a temporary directory gone, or full
+    with pytest.raises(SandboxError, match="could not make the program's working directory in /nonexistent/tmp"):
+        box.run_python("print(1)")
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(SandboxError, match="could not start /nonexistent/python"):
+        box.run_python("print(1)")
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_probe_reports_only_what_holds_and_says_what_does_not_in_one_line(monkeypatch):
+    if ISOLATION.network != "namespace":
+        pytest.skip("the kernel refuses user namespaces here: nothing to break")
+    # A setup whose namespaces leave the network open: the probe's program reaches the host, so no "namespace".
+    monkeypatch.setattr(sandbox, "NAMESPACES", sandbox.NAMESPACES & ~sandbox.CLONE_NEWNET)
+    sandbox.probe_isolation.cache_clear()
+    try:
+        said = Lines()
+        logging.getLogger("grpo_jax.sandbox").addHandler(said)
+        try:
+            isolation = sandbox.probe_isolation()
+        finally:
+            logging.getLogger("grpo_jax.sandbox").removeHandler(said)
+        assert isolation.network == "guard" and isolation.files == "guard"
+        warnings = said.lines
+        assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+        assert warnings[0].startswith("sandbox: no namespaces that isolate here: the network, starting processes "
+                                      "and writing outside its directory are refused by a Python audit hook only")
+        assert "docs/data-and-rewards.md" in warnings[0]
+    finally:
+        sandbox.probe_isolation.cache_clear()
+        monkeypatch.undo()
+        assert sandbox.probe_isolation() == ISOLATION
+
+
+def test_threads_that_make_their_first_sandboxes_at_once_get_one_probe_s_isolation():
+    sandbox.probe_isolation.cache_clear()  # as an environment's first tool calls, on their threads
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(Sandbox().isolation)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert found == [ISOLATION] * 4
+
+
+@READ_ONLY
+def test_the_probe_of_a_trainer_started_in_tmp_finds_the_same(monkeypatch):
+    monkeypatch.chdir("/tmp")  # where its programs' writes land in their private /tmp, not the trainer's
+    sandbox.probe_isolation.cache_clear()
+    try:
+        assert sandbox.probe_isolation() == ISOLATION
+    finally:
+        sandbox.probe_isolation.cache_clear()
+        monkeypatch.undo()
+        assert sandbox.probe_isolation() == ISOLATION
+
+
+@READ_ONLY
+def test_where_mount_setattr_is_missing_each_mount_is_remounted_read_only(monkeypatch, outside_dir):
+    monkeypatch.setattr(sandbox, "MOUNT_SETATTR", 100_000)  # no such syscall: ENOSYS, as before Linux 5.12
+    box = Sandbox()
+    target = outside_dir / "events.jsonl"
+    result = box.run_python(f"import os\nopen('mine', 'w').write('x')\nopen('/tmp/t', 'w').write('x')\n"
+                            f"for path in ({str(target)!r}, os.path.dirname(os.__file__) + '/os.py'):\n"
+                            "    try:\n        open(path, 'a')\n        print('WROTE', path)\n"
+                            "    except OSError as e:\n        print(e.errno)")
+    first, second = result.stdout.split()  # the run directory open to all, the standard library root's
+    assert int(first) == errno.EROFS and int(second) in (errno.EROFS, errno.EACCES), result
+
+
+def test_cgroups_are_made_in_v2_where_its_unified_hierarchy_hands_out_the_controller_else_in_v1(monkeypatch, tmp_path):
+    unified, memory = tmp_path / "unified", tmp_path / "memory"
+    for directory, files in {unified: {"cgroup.controllers": "cpu memory pids", "cgroup.subtree_control": "memory"},
+                             unified / "a": {"cgroup.subtree_control": "memory pids"},
+                             unified / "a" / "b": {"cgroup.subtree_control": ""},  # the trainer's: processes in it
+                             memory / "job": {}}.items():
+        directory.mkdir(parents=True)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+    files = {"/proc/self/mountinfo": f"30 1 0:26 / {unified} rw - cgroup2 cgroup2 rw\n"
+                                     f"31 1 0:27 / {memory} rw - cgroup cgroup rw,memory\n",
+             "/proc/self/cgroup": "0::/a/b\n4:memory:/job\n"}
+    real_read = sandbox._read
+    monkeypatch.setattr(sandbox, "_read", lambda path: files[path] if path in files else real_read(path))
+    # The nearest ancestor that hands both to its children: both in v2, none in v1.
+    assert sandbox._cgroup_places() == (sandbox._CgroupPlace(2, str(unified / "a"), ("memory", "pids")),)
+    (unified / "cgroup.controllers").write_text("cpu memory")  # v2 without pids: pids nowhere (no v1 pids here)
+    assert sandbox._cgroup_places() == (sandbox._CgroupPlace(2, str(unified / "a"), ("memory",)),)
+    (unified / "cgroup.controllers").write_text("hugetlb")  # a hybrid, as the machine this was built on
+    assert sandbox._cgroup_places() == (sandbox._CgroupPlace(1, str(memory / "job"), ("memory",)),)
 
 
 def test_limits_are_checked_naming_key_value_and_meaning():

@@ -12,8 +12,9 @@ and ends the episode (the default step).
 reward reads a completion (grpo_jax.algorithm.rewards.extract_final_answer: "#### N", then \\boxed{N}, then
 "answer is N", then the last number), equals the reference, else 0.0 (also for an episode that ended without a
 final answer). tool_errors is -tool_error_penalty per failed tool call (-0.0 with the default penalty 0). A
-failure of the sandbox itself (SandboxError: not the program's fault) reaches the model as a tool error, as every
-exception of a tool does, and makes reward() raise it, so that the episode is not trained as the model's doing.
+failure of the sandbox itself (SandboxError: not the program's fault; a full or missing temporary directory, a
+sandbox that cannot be made or cannot start its child) reaches the model as a tool error, as every exception of a
+tool does, and makes reward() raise it, so that the episode is not trained as the model's doing.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class Gsm8kPythonEnv(Environment):
         Args:
             code: The program's source. Print the values you need: only stdout comes back.
         """
-        if self.sandbox is None:
-            self.sandbox = sandbox.Sandbox(timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                                           max_output_bytes=MAX_OUTPUT_BYTES, workers=1)
         try:
+            if self.sandbox is None:
+                self.sandbox = sandbox.Sandbox(timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                                               max_output_bytes=MAX_OUTPUT_BYTES, workers=1)
             result = self.sandbox.run_python(code)
         except sandbox.SandboxError as e:
             self.sandbox_error = e
