@@ -95,10 +95,12 @@ def test_draws_depend_on_the_row_key_not_the_batch(engine):
 
 
 def test_programs_compile_once(engine):
-    before = engine.num_compilations
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(40, 300, size=5).tolist() for _ in range(ROWS)]
-    appended = [[rng.integers(40, 300, size=4).tolist() for _ in prompts]]
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(9), ROWS)))
-    _run_turns(engine, prompts, appended, keys)
-    assert engine.num_compilations == before
+    counts = []
+    for _ in range(2):  # the first batch may compile (this test alone on a worker), the second may not
+        prompts = [rng.integers(40, 300, size=5).tolist() for _ in range(ROWS)]
+        appended = [[rng.integers(40, 300, size=4).tolist() for _ in prompts]]
+        _run_turns(engine, prompts, appended, keys)
+        counts.append(engine.num_compilations)
+    assert counts[1] == counts[0]

@@ -101,7 +101,9 @@ def assert_draws_as_static(results, want):
             row = i * G + j
             n = want.lengths[row]
             np.testing.assert_array_equal(result.tokens[j], want.tokens[row, :n])
-            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], atol=1e-5)
+            # Both sides are float32 log-softmaxes over different batch layouts (refilled slots vs one static
+            # batch), so XLA's reductions may order sums differently: a few ulps of values near -5 (CI saw 1.3e-5).
+            np.testing.assert_allclose(result.logprobs[j], want.logprobs[row, :n], rtol=1e-5, atol=1e-5)
             assert result.finish_reasons[j] == want.finish_reasons[row]
 
 
