@@ -2,8 +2,8 @@
 memory, cost per call, calls per step, the settings that would shrink it).
 
 Every program and its arguments come from the run description (run.plan.RunPlan), the one the trainer runs
-from: the learner step (RunPlan.learner_step) and the weight sync (RunPlan.weight_sync) here; the sampler's
-and the engine's in actor_programs.py, built by their own classes over the plan's actor weights. What is
+from: the learner step (RunPlan.learner_step) and the weight sync (RunPlan.weight_sync) here; the generators' in
+actor_programs.py, which their own classes publish (programs(), rollout.common) over the plan's actor weights. What is
 specific to compiling for a topology lives here: compile_one (lower, compile, read memory and cost; an
 out-of-memory refusal becomes an answer), the roofline, the costing of loop bodies on their own (XLA counts a
 loop body once whatever its trip count), and the hints.

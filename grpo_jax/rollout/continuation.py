@@ -25,7 +25,8 @@ generation prompt), never its whole history again. The host side (rollout.episod
   of the batch (up to float noise between batch shapes).
 - Weights. update_params(state, version) takes effect at the next program; each program's tokens are returned
   with the version that drew them (in-flight updates, as in the continuous engine).
-- Programs (jit once): extend (one per append bucket), decode (one), compact (one), the empty state (one).
+- Programs (jit once): extend (one per append bucket), decode (one), compact (one), the empty state (one);
+  programs() publishes them with abstract arguments for `grpo-jax compile` (rollout.common).
 
 Models with sliding-window layers and routing replay are not supported here (a row's keys are not contiguous,
 and routing is not recorded): make_continuation refuses them.
@@ -46,8 +47,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.transformer import rope_inverse_frequencies
-from grpo_jax.rollout.engine import Sampling, draw_uniforms
-from grpo_jax.rollout.sampler import SamplerConfig, _bucket, cache_layout, vocab_major_head, weights_mesh
+from grpo_jax.rollout.common import (
+    GeneratorProgram,
+    Sampling,
+    Workload,
+    abstract_arrays,
+    bucket,
+    cache_layout,
+    draw_uniforms,
+    is_abstract,
+    merged,
+    placed,
+    replicated,
+    vocab_major_head,
+    weights_mesh,
+    weights_state,
+)
+from grpo_jax.rollout.sampler import SamplerConfig
 
 MIN_APPEND_BUCKET = 16  # appended ids are padded to powers of two from here (one extend program per bucket)
 
@@ -98,14 +114,16 @@ class ContinuationEngine:
         self.pad_id = int(pad_id)
         self.rows, self.context = int(rows), int(context)
         # Room for the longest sequence plus the next program's columns; compaction keeps it there.
-        self.columns = 2 * _bucket(self.context, MIN_APPEND_BUCKET)
+        self.columns = 2 * bucket(self.context, MIN_APPEND_BUCKET)
         self.graphdef, self.state = nnx.split(model)
         self._head = vocab_major_head(self.graphdef, self.state)
         self.adapter_graphdef, self.adapters = nnx.split(adapters) if adapters is not None else (None, None)
         self.version = int(version)
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
         mesh = weights_mesh(self.state) if mesh is None else mesh
+        self.mesh = mesh
         self.cache_heads, cache_sharding = cache_layout(model.config, mesh)
+        self.state_shardings = None
         out = {}
         if mesh is not None:
             replicated = NamedSharding(mesh, PartitionSpec())
@@ -128,8 +146,7 @@ class ContinuationEngine:
 
     def update_params(self, model_or_state, version: int | None = None) -> None:
         """New weights (the model or its state; with LoRA, the adapters), used from the next program on."""
-        if isinstance(model_or_state, nnx.Module):
-            _, model_or_state = nnx.split(model_or_state)
+        model_or_state = weights_state(model_or_state)
         if self.adapter_graphdef is not None:
             self.adapters = model_or_state
         else:
@@ -139,8 +156,8 @@ class ContinuationEngine:
     # -- host calls --
 
     def reset(self) -> None:
-        """Every row empty and idle (a new batch of episodes)."""
-        self._turn = self._empty(self.rows, self.columns)
+        """Every row empty and idle (a new batch of episodes); abstract rows over abstract weights."""
+        self._turn = self.turn_state_shape() if is_abstract(self.state) else self._empty(self.rows, self.columns)
         # Host copies of what the last program left on the device (fetched with its tokens, so that the driving
         # loop needs no extra device sync): the clock (when to compact), which rows' turns go on, their draws.
         self._clock = 0
@@ -160,7 +177,7 @@ class ContinuationEngine:
         lengths = np.array([len(a) if a is not None else 0 for a in appended], np.int64)
         if not lengths.any():
             raise ValueError("extend: no row has ids to append")
-        width = _bucket(int(lengths.max()), MIN_APPEND_BUCKET)
+        width = bucket(int(lengths.max()), MIN_APPEND_BUCKET)
         if width > self.columns // 2:
             raise ValueError(f"extend: {int(lengths.max())} ids to append, more than the context of {self.context}")
         tokens = np.full((self.rows, width), self.pad_id, np.int32)
@@ -217,6 +234,86 @@ class ContinuationEngine:
     def metrics(self) -> dict:
         return {f"rollout/continuation_{k}": v for k, v in self.stats.items()}
 
+    # -- planning --
+
+    @property
+    def head(self) -> jax.Array:
+        """The vocab-major LM head the programs take (vocab_major_head of the weights)."""
+        return self._head
+
+    def turn_state_shape(self) -> TurnState:
+        """The rows' TurnState as ShapeDtypeStructs, in the layout the programs return it in (state_shardings)."""
+        return placed(jax.eval_shape(lambda: self._empty(self.rows, self.columns)), self.state_shardings)
+
+    @property
+    def append_buckets(self) -> list[int]:
+        """The extend programs' widths: powers of two from MIN_APPEND_BUCKET to half the columns."""
+        widths = [MIN_APPEND_BUCKET]
+        while widths[-1] < self.columns // 2:
+            widths.append(2 * widths[-1])
+        return widths
+
+    @property
+    def opening_bucket(self) -> int:
+        """The extend width of an episode's opening prompt (up to sampler.max_prompt_len tokens)."""
+        return min(bucket(self.config.max_prompt_len, MIN_APPEND_BUCKET), self.append_buckets[-1])
+
+    def waves(self, episodes: int) -> int:
+        """The batches of `rows` episodes that `episodes` episodes run in."""
+        return -(-episodes // self.rows)
+
+    def programs(self, workload: Workload) -> list[GeneratorProgram]:
+        """The engine's programs over abstract arguments, with their calls per step, in this order:
+
+        - "continuation decode": a chunk of chunk_steps decode steps of every row; then one decode step alone
+          (steps=1), compiled for its cost (cost_part: chunk_steps);
+        - "continuation extend <width>" (shape: (rows, width)): appended ids prefilled into every row, at the widest
+          bucket (the whole context at once: the most memory), at the opening prompt's bucket when it is not the
+          widest, and at the smallest (a turn's appended ids: the common case);
+        - "continuation compact": every row's keys moved to the front of its cache (a gather, no model compute).
+
+        Calls per step, leaving out the environment (its steps run on the host, between turns): workload.samples
+        episodes run in waves of `rows`; in each, every episode takes workload.turns turns and samples
+        max_new_tokens tokens split evenly over them (each turn's first token drawn by its extend, a turn's last
+        partial chunk counted whole); one extend per turn, the opening at its bucket and the others at the
+        smallest. The widest extend (unless it is the opening's) and the compaction are in no step's projection."""
+        cfg, rows = self.config, self.rows
+        waves, turns = self.waves(workload.samples), max(1, workload.turns)
+        per_turn = -(-max(cfg.max_new_tokens - turns, 0) // turns)  # decode steps of one turn
+        whole = replicated(self.mesh)
+        static = self.sampling.static
+        state, head, adapters = abstract_arrays((self.state, self._head, self.adapters))
+        turn = self.turn_state_shape()
+
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+        scalars = (sds((), jnp.float32), sds((), jnp.float32))
+        weights = (state, head, adapters, turn, *scalars)
+        programs = [
+            GeneratorProgram(name="continuation decode", label="continuation decode", jitted=self._decode, args=weights,
+                             kwargs=dict(static, steps=cfg.chunk_steps), shape=(rows,), donated=(3,),
+                             calls_per_step=waves * turns * -(-per_turn // cfg.chunk_steps)),
+            GeneratorProgram(name="continuation decode",
+                             label="continuation decode (one decode step alone, for its cost)", jitted=self._decode,
+                             args=weights, kwargs=dict(static, steps=1), shape=(rows,), donated=(3,),
+                             cost_part=cfg.chunk_steps)]
+        widths = self.append_buckets
+        smallest, widest, opening = widths[0], widths[-1], self.opening_bucket
+        calls = dict.fromkeys((widest, opening, smallest), 0)  # width -> calls per step
+        calls[opening] += waves
+        calls[smallest] += waves * (turns - 1)
+        for width, n in calls.items():
+            row_args = (sds((rows, width), jnp.int32), sds((rows, width), jnp.bool_), sds((rows,), jnp.bool_),
+                        sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+            programs.append(GeneratorProgram(
+                name=f"continuation extend {width}", label=f"continuation extend {width}", jitted=self._extend,
+                args=(state, head, adapters, turn, *row_args, *scalars), kwargs=dict(static), shape=(rows, width),
+                donated=(3,), calls_per_step=n))
+        programs.append(GeneratorProgram(name="continuation compact", label="continuation compact",
+                                         jitted=self._compact, args=(turn,), shape=(rows,), donated=(0,)))
+        return programs
+
     # -- device programs --
 
     def _empty_impl(self, rows: int, columns: int) -> TurnState:
@@ -246,8 +343,7 @@ class ContinuationEngine:
     def _extend_impl(self, params, head, adapters, state: TurnState, tokens, mask, restart, keys, turn_tokens,
                      temperature, top_p, *, greedy, top_k, use_top_p):
         self.num_compilations += 1
-        model = nnx.merge(self.graphdef, params)
-        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         width = tokens.shape[1]
         columns = state.key_mask.shape[1]
         extending = mask.any(axis=1)
@@ -276,8 +372,7 @@ class ContinuationEngine:
     def _decode_impl(self, params, head, adapters, state: TurnState, temperature, top_p, *, steps, greedy, top_k,
                      use_top_p):
         self.num_compilations += 1
-        model = nnx.merge(self.graphdef, params)
-        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         rows, columns = state.key_mask.shape
         stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
 

@@ -33,7 +33,8 @@ sit finished while a few run on. This engine keeps a fixed number of sequences i
 - Programs (jit once): the decode chunk (one per bank size and sampling mode), the admission (prefill +
   copy into slots + first token; one per power-of-two prompt count and prompt bucket), the bank resizes
   and the empty state. Weights, temperature, top-p and token limits are runtime values. warm_up() compiles
-  them all before a run.
+  them all before a run; programs() publishes them with abstract arguments for `grpo-jax compile`
+  (rollout.common).
 - Routing (a model with experts and model.routing_replay): every token's experts in each MoE layer are recorded,
   the prompt's from its prefill and each sampled token's from the decode step that reads it, and returned with
   the group (GroupResult.routing), so that the learner routes each token as the actor did.
@@ -58,25 +59,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
-from grpo_jax.rollout.sampler import (
-    Sampler,
-    SamplerConfig,
+from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: also importable from here
+    GeneratorProgram,
+    GroupResult,
     SampleResult,
-    _bucket,
+    Sampling,
+    Workload,
+    abstract_arrays,
+    bucket,
     cache_layout,
+    checked_config,
+    checked_prompts,
+    draw_uniforms,
+    is_abstract,
+    merged,
+    placed,
+    raw_keys,
+    replicated,
     vocab_major_head,
     weights_mesh,
+    weights_state,
 )
+from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
+DONATED_SLOT_STATE = (3,)  # the admission and the chunk update a bank's slot state in place
 DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
-
-
-def draw_uniforms(keys, index):
-    """[S] uniforms: draw `index[s]` of row s from fold_in(key[s], index[s]) (raw key data [S, 2]), as the static
-    sampler's row draws its token `index[s]`: what a sequence samples depends on its key, not on its batch."""
-    return jax.vmap(lambda k, t: jax.random.uniform(
-        jax.random.fold_in(jax.random.wrap_key_data(k), t)))(keys, index)
 
 
 class SlotState(NamedTuple):
@@ -93,47 +101,6 @@ class SlotState(NamedTuple):
     done: jax.Array  # [S] bool: no sequence, or it ended (eos or limit): the slot idles until refilled
     keys: jax.Array  # [S, 2] uint32: raw key data of the sequence; token t draws from fold_in(key, t)
     clock: jax.Array  # [] int32: decode steps this bank has run; step t writes ring column t % L
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How tokens are drawn: the static parts select the compiled programs."""
-
-    temperature: float  # 0: greedy
-    top_p: float
-    top_k: int
-
-    @property
-    def static(self) -> dict:
-        greedy = self.temperature == 0
-        return dict(greedy=greedy, top_k=0 if greedy else self.top_k, use_top_p=(not greedy) and self.top_p < 1)
-
-    @property
-    def scalars(self) -> tuple:
-        return np.float32(self.temperature or 1.0), np.float32(self.top_p)
-
-
-@dataclasses.dataclass
-class GroupResult:
-    """The finished samples of one submitted prompt, in sample order."""
-
-    tag: Any  # what submit() was given
-    tokens: list  # G arrays [n_i] int32: the completion (an eos included)
-    logprobs: list  # G arrays [n_i] float32: each token's log-prob under the weights that drew it
-    versions: list  # G arrays [n_i] int32: the weight version that drew each token
-    finish_reasons: list  # G of "stop" (eos) or "length"
-    # G arrays [prompt + n_i - 1, moe layers, experts per token] int32: the experts each input token of the sample
-    # (the prompt, then every sampled token but the last, which no step reads) was routed to; None unless recorded.
-    routing: list | None = None
-
-    @property
-    def oldest_version(self) -> int:
-        """The group's weight version for the staleness bound: the oldest among its tokens."""
-        return min(int(v.min()) for v in self.versions if len(v))
-
-    @property
-    def version_spread(self) -> int:
-        return max(int(v.max()) for v in self.versions if len(v)) - self.oldest_version
 
 
 @dataclasses.dataclass
@@ -188,17 +155,15 @@ class _Admission:
 
 
 class Engine:
-    """Slot-based generation with continuous batching; see the module docstring. Not thread-safe: one thread
-    (the actor) drives it."""
+    """Slot-based generation with continuous batching; see the module docstring (a common.StreamingGenerator).
+    Not thread-safe: one thread (the actor) drives it. Over abstract weights (common module docstring) its banks'
+    slot state is abstract too, and only programs() and the shape logic may be used."""
 
     def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None,
                  *, slots: int = 0, adapters: nnx.Module | None = None, version: int = 0, mesh: Mesh | None = None):
         """mesh: the one the weights are laid out on (default: read from them; None for weights on one device),
         on which the slot state is laid out (slot_shardings)."""
-        self.config = config or SamplerConfig()
-        problems = self.config.validate()
-        if problems:
-            raise ValueError("invalid sampler config: " + "; ".join(problems))
+        self.config = checked_config(config or SamplerConfig())
         cfg = self.config
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.pad_id = int(pad_id)
@@ -215,6 +180,7 @@ class Engine:
         self.ring = cfg.max_prompt_len + cfg.max_new_tokens
         self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
         mesh = weights_mesh(self.state) if mesh is None else mesh
+        self.mesh = mesh
         self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
         self.record_routing = model.config.replays_routing
         self.routing_shape = model.config.routing_shape
@@ -223,22 +189,26 @@ class Engine:
         # says, everything else replicated), and its tokens replicated: a bank keeps one layout for the whole run.
         banked, admitted, chunked = {}, {}, {}  # out_shardings of the programs, with a mesh
         if mesh is not None:
-            replicated = NamedSharding(mesh, PartitionSpec())
+            whole = NamedSharding(mesh, PartitionSpec())
             banked = {"out_shardings": self.slot_shardings}
-            routed = (replicated,) if self.record_routing else ()
-            admitted = {"out_shardings": (self.slot_shardings, replicated, replicated, *routed)}
-            chunked = {"out_shardings": (self.slot_shardings, replicated, replicated, replicated, *routed)}
+            routed = (whole,) if self.record_routing else ()
+            admitted = {"out_shardings": (self.slot_shardings, whole, whole, *routed)}
+            chunked = {"out_shardings": (self.slot_shardings, whole, whole, whole, *routed)}
         self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
-        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=(3,),
-                              **admitted)
+        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"),
+                              donate_argnums=DONATED_SLOT_STATE, **admitted)
         self._resize = jax.jit(self._resize_impl, **banked)
         self._chunk = jax.jit(self._chunk_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
-                              donate_argnums=(3,), **chunked)
+                              donate_argnums=DONATED_SLOT_STATE, **chunked)
         self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)
-        empty = self._empty(self.bank_slots, self.ring)
-        self._banks = [_Bank(jax.tree.map(jnp.copy, empty) if b else empty, self.bank_slots, cfg.max_new_tokens,
-                             self.routing_shape) for b in range(self.num_banks)]
+        if is_abstract(self.state):
+            empty = self.slot_state_shape(self.bank_slots)
+            copies = [empty] * self.num_banks
+        else:
+            empty = self._empty(self.bank_slots, self.ring)
+            copies = [empty] + [jax.tree.map(jnp.copy, empty) for _ in range(self.num_banks - 1)]
+        self._banks = [_Bank(state, self.bank_slots, cfg.max_new_tokens, self.routing_shape) for state in copies]
         # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
         # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
         # sequences can outlive a chunk: otherwise every slot ends within the chunk it started in anyway, and
@@ -264,8 +234,7 @@ class Engine:
         adapters, the adapters), and their version (default: one more). Used from the next device call on, with
         sequences in flight; with inflight_updates off, once the slots have drained. Same structure: no
         recompile."""
-        if isinstance(model_or_state, nnx.Module):
-            _, model_or_state = nnx.split(model_or_state)
+        model_or_state = weights_state(model_or_state)
         version = self.version + 1 if version is None else int(version)
         if self.config.inflight_updates or self.active_slots == 0:
             self._swap(model_or_state, version)
@@ -297,9 +266,7 @@ class Engine:
         if not 1 <= max_new <= cfg.max_new_tokens:
             raise ValueError(f"submit: max_new_tokens={max_new}: must be in 1..{cfg.max_new_tokens} (the KV ring "
                              "is sized for sampler.max_new_tokens)")
-        if hasattr(keys, "dtype") and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-            keys = jax.random.key_data(keys)
-        keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+        keys = raw_keys(keys)
         if len(keys) == 0:
             raise ValueError("submit: needs at least one key (one per sample)")
         self._waiting.append(_Request(prompt, keys, max_new, tag))
@@ -404,18 +371,10 @@ class Engine:
         if sampling.top_k > self.vocab_size:
             raise ValueError(f"top_k={sampling.top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
         n = len(prompts)
-        if n == 0:
-            raise ValueError("generate needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(p) > cfg.max_prompt_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_prompt_len={cfg.max_prompt_len}")
+        checked_prompts(prompts, cfg.max_prompt_len)
         if isinstance(keys, (int, np.integer)):
             keys = jax.random.split(jax.random.key(int(keys)), n)
-        if hasattr(keys, "dtype") and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-            keys = jax.random.key_data(keys)
-        keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+        keys = raw_keys(keys)
         if len(keys) != n:
             raise ValueError(f"got {len(keys)} keys for {n} prompts")
         rows_of: dict[tuple, list[int]] = {}
@@ -447,7 +406,7 @@ class Engine:
             adapters = None if self.adapter_graphdef is None else nnx.merge(self.adapter_graphdef, self.adapters)
             self._static = Sampler(nnx.merge(self.graphdef, self.state), self.eos_ids, self.pad_id, self.config,
                                    adapters=adapters)
-        self._static.state, self._static._head, self._static.adapters = self.state, self._head, self.adapters
+        self._static.share_weights(self.state, self._head, self.adapters, self.version)
         return self._static
 
     def program_shapes(self, group_size: int = 1) -> tuple[list[int], list[int], list[int]]:
@@ -459,10 +418,9 @@ class Engine:
         sizes = [self.bank_slots]
         while self.shrink and sizes[-1] // 2 >= self.min_bank_slots:
             sizes.append(sizes[-1] // 2)
-        plens = sorted({min(_bucket(n, cfg.min_prompt_bucket), cfg.max_prompt_len)
-                        for n in range(1, cfg.max_prompt_len + 1)})
+        plens = sorted({self._prompt_bucket(n) for n in range(1, cfg.max_prompt_len + 1)})
         most = min(self.bank_slots, -(-self.bank_slots // group_size) + 1)
-        rows = sorted({min(_bucket(n, 1), self.bank_slots) for n in range(1, most + 1)})
+        rows = sorted({self._admission_rows(n) for n in range(1, most + 1)})
         return sizes, plens, rows
 
     def warm_up(self, group_size: int = 1) -> int:
@@ -507,6 +465,89 @@ class Engine:
                 "engine/updates_held_back": int(s["updates_held_back"]),
                 "engine/tokens_per_s": s["generated_tokens"] / max(s["seconds"], 1e-9)}
 
+    # -- planning -------------------------------------------------------------------------------------
+
+    @property
+    def head(self) -> jax.Array:
+        """The vocab-major LM head the programs take (vocab_major_head of the weights)."""
+        return self._head
+
+    def slot_state_shape(self, slots: int) -> SlotState:
+        """A bank of `slots` slots as ShapeDtypeStructs, in the layout the programs return it in (slot_shardings)."""
+        return placed(jax.eval_shape(lambda: self._empty(slots, self.ring)), self.slot_shardings)
+
+    def _calls_per_step(self, samples: int, group_size: int) -> tuple[int, dict[int, int]]:
+        """Decode chunks, and admissions by their prefill rows, of a step of `samples` samples in groups of
+        `group_size` when every sample decodes to max_new_tokens in lockstep: the samples fill the slots in waves;
+        each wave is one admission per bank it uses (one prefill per group) and ceil((max_new_tokens - 1) /
+        chunk_steps) chunks per bank (the first token comes from the admission; a last partial chunk counts
+        whole); banks run one after the other."""
+        cfg, full = self.config, self.bank_slots
+        chunks_per_wave = max(-(-(cfg.max_new_tokens - 1) // cfg.chunk_steps), 1)
+        chunks, admissions, start = 0, {}, 0
+        while start < samples:
+            wave = min(samples - start, self.num_slots)
+            for first in range(start, start + wave, full):
+                last = min(first + full, start + wave)  # this bank's samples [first, last)
+                rows = self._admission_rows((last - 1) // group_size - first // group_size + 1)
+                admissions[rows] = admissions.get(rows, 0) + 1
+                chunks += chunks_per_wave
+            start += wave
+        return chunks, admissions
+
+    def programs(self, workload: Workload) -> list[GeneratorProgram]:
+        """The engine's programs at the shapes warm_up compiles for groups of workload.group_size
+        (program_shapes), over abstract arguments, with their calls per step (_calls_per_step), in this order:
+
+        - "engine chunk": a decode chunk of chunk_steps steps for every bank size (full first, then halved while
+          draining; shape: (slots,)); then one decode step alone (the chunk with steps=1 on a full bank), compiled
+          for its cost (cost_part: chunk_steps);
+        - "engine admission": prefill + copy into slots + first token on a full bank (shape: (prompts, prompt
+          bucket)), at the most prompts one bank takes at a boundary, then at each other prompt count a step uses
+          (fewest first), all at the bucket of workload.prompt_len;
+        - "engine resize": a bank halved while draining, then grown back to full from every smaller size (shape:
+          (slots, new slots)); none where banks do not shrink."""
+        cfg, full = self.config, self.bank_slots
+        sizes, _, admission_rows = self.program_shapes(workload.group_size)
+        chunk_calls, admissions = self._calls_per_step(workload.samples, workload.group_size)
+        whole = replicated(self.mesh)
+        static = self.sampling.static
+        state, head, adapters = abstract_arrays((self.state, self._head, self.adapters))
+        banks = {size: self.slot_state_shape(size) for size in sizes}
+
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+        scalars = (sds((), jnp.float32), sds((), jnp.float32))
+        programs = [GeneratorProgram(name="engine chunk", label=f"engine chunk ({size} slots)", jitted=self._chunk,
+                                     args=(state, head, adapters, banks[size], *scalars),
+                                     kwargs=dict(static, steps=cfg.chunk_steps), shape=(size,),
+                                     donated=DONATED_SLOT_STATE, calls_per_step=chunk_calls if size == full else 0)
+                    for size in sizes]
+        programs.append(GeneratorProgram(
+            name="engine chunk", label="engine chunk (one decode step alone, for its cost)", jitted=self._chunk,
+            args=(state, head, adapters, banks[full], *scalars), kwargs=dict(static, steps=1), shape=(full,),
+            donated=DONATED_SLOT_STATE, cost_part=cfg.chunk_steps))
+
+        plen = self._prompt_bucket(workload.prompt_len)
+        slot_args = (sds((full,), jnp.int32), sds((full,), jnp.int32), sds((full, 2), jnp.uint32),
+                     sds((full,), jnp.int32))
+        most = admission_rows[-1]
+        for rows in [most, *(r for r in sorted(admissions) if r != most)]:
+            label = "engine admission" if rows == most else f"engine admission ({rows} prompts, for its cost)"
+            programs.append(GeneratorProgram(
+                name="engine admission", label=label, jitted=self._admit,
+                args=(state, head, adapters, banks[full], sds((rows, plen), jnp.int32), sds((rows, plen), jnp.bool_),
+                      *slot_args, *scalars),
+                kwargs=dict(static), shape=(rows, plen), donated=DONATED_SLOT_STATE,
+                calls_per_step=admissions.get(rows, 0)))
+
+        pairs = list(zip(sizes, sizes[1:])) + [(size, full) for size in sizes[1:]]
+        programs += [GeneratorProgram(name="engine resize", label=f"engine resize ({a} -> {b} slots)",
+                                      jitted=self._resize, args=(banks[a], sds((b,), jnp.int32)), shape=(a, b))
+                     for a, b in pairs]
+        return programs
+
     # -- host side of a boundary -------------------------------------------------------------------------
 
     def _plan(self, bank: _Bank) -> _Admission | None:
@@ -535,11 +576,17 @@ class Engine:
         bank.state = self._resize(bank.state, index)
         bank.take(index)
 
+    def _prompt_bucket(self, longest: int) -> int:
+        """The prompt width an admission whose longest prompt has `longest` tokens is compiled for."""
+        return min(bucket(longest, self.config.min_prompt_bucket), self.config.max_prompt_len)
+
+    def _admission_rows(self, prompts: int) -> int:
+        """The prefill rows an admission of `prompts` distinct prompts is compiled for."""
+        return min(bucket(prompts, 1), self.bank_slots)
+
     def _admission_shapes(self, admission: _Admission) -> tuple[int, int]:
-        cfg = self.config
-        rows = min(_bucket(len(admission.requests), 1), self.bank_slots)
         longest = max(len(r.prompt) for r in admission.requests)
-        return rows, min(_bucket(longest, cfg.min_prompt_bucket), cfg.max_prompt_len)
+        return self._admission_rows(len(admission.requests)), self._prompt_bucket(longest)
 
     def _program_keys(self, bank: _Bank, admission: _Admission | None) -> set:
         static = tuple(sorted(self.sampling.static.items()))
@@ -663,8 +710,7 @@ class Engine:
         columns before the current one), and draw every entry's first token. Entries e: prompt row
         source[e] -> slot slot[e] (slot == S: unused), with its key and token limit."""
         self.num_compilations += 1
-        model = nnx.merge(self.graphdef, params)
-        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         rows, plen = tokens.shape
         hidden, prefill, prompt_routing = model.hidden_states_and_routing(
             tokens, positions_from_mask(mask), mask, self._pinned(model.init_cache(rows, plen, self.cache_heads)), 0,
@@ -715,8 +761,7 @@ class Engine:
         and each slot's tokens and log-probs of this chunk ([S, steps]; a live slot's new tokens are a prefix
         of its row) and the steps run."""
         self.num_compilations += 1
-        model = nnx.merge(self.graphdef, params)
-        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         slots, ring = state.key_mask.shape
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         config = model.config

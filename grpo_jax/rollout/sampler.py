@@ -25,6 +25,8 @@ Design:
   generate with the same prompts and keys (every host's rows), in the same order as its other calls; the
   rows are split over the mesh's data x fsdp devices, the streams run one after the other (concurrent
   collective programs could start in a different order on each host), and every process gets all rows back.
+- programs() publishes the generate program with abstract arguments for `grpo-jax compile`, and its prefill and
+  one decode step compiled alone for their cost (rollout.common).
 
 Batch independence is about the randomness: float results of XLA's kernels can differ in the last bits
 between batch shapes or paddings, which can flip a draw that lands within rounding of a CDF boundary
@@ -36,7 +38,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -47,7 +48,23 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
-from grpo_jax.model.transformer import ModelConfig, positions_from_mask
+from grpo_jax.model.transformer import DTYPES, positions_from_mask
+from grpo_jax.rollout.common import (  # SampleResult, cache_layout, weights_mesh, vocab_major_head: also from here
+    GeneratorProgram,
+    SampleResult,
+    Sampling,
+    Workload,
+    abstract_arrays,
+    bucket,
+    cache_layout,
+    checked_config,
+    checked_prompts,
+    merged,
+    replicated,
+    vocab_major_head,
+    weights_mesh,
+    weights_state,
+)
 
 MIN_PHASE_STEPS = 16  # shorter decode phases save less attention than their extra loop costs to compile
 ENGINES = ("static", "continuous")  # SamplerConfig.engine
@@ -104,19 +121,6 @@ class SamplerConfig:
         return problems
 
 
-@dataclasses.dataclass
-class SampleResult:
-    tokens: np.ndarray  # [B, N] int32 completion ids, pad_id after the end (an eos is included)
-    logprobs: np.ndarray  # [B, N] float32 log-prob under the distribution sampled from; 0 in padding
-    lengths: np.ndarray  # [B] int32 completion lengths (including the eos)
-    finish_reasons: list[str]  # "stop" (an eos was produced) or "length"
-    prompt_lengths: np.ndarray  # [B] int32
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
 def _phase_ends(new_bucket: int, phases: int) -> list[int]:
     """Exclusive ends of the decode phases over steps [1, new_bucket): near-equal spans, `phases` of them
     or fewer so that none is shorter than MIN_PHASE_STEPS. Step t writes cache slot plen + t - 1, so a
@@ -125,56 +129,24 @@ def _phase_ends(new_bucket: int, phases: int) -> list[int]:
     return [new_bucket * (i + 1) // n for i in range(n)]
 
 
-def cache_layout(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> tuple[int, NamedSharding | None]:
-    """The heads of a KV cache ([rows, heads, positions, head_dim], Transformer.init_cache) for weights on `mesh`,
-    and the cache's sharding there (None without a mesh). The query heads are split over the mesh's `tensor` axis
-    (parallel.sharding), and so are the KV heads when their number divides it. When it does not, each KV head is
-    held once per device of the group whose query heads use it (lcm(num_kv_heads, tensor) heads, split over
-    `tensor`), so each device holds only the KV heads it reads: 1/gcd(num_kv_heads, tensor) of the cache instead
-    of all of it (e.g. Qwen2.5-1.5B's 2 KV heads on tensor 4: half). Where the query heads do not split that way
-    either, the cache is replicated."""
-    kv = config.num_kv_heads
-    if mesh is None:
-        return kv, None
-    tensor = mesh.shape.get("tensor", 1)
-    heads = math.lcm(kv, tensor)
-    if config.num_heads % heads:
-        heads = kv
-    return heads, NamedSharding(mesh, PartitionSpec(None, "tensor") if heads % tensor == 0 else PartitionSpec())
-
-
-def weights_mesh(state) -> jax.sharding.Mesh | None:
-    """The mesh weights are laid out on (their first leaf's), or None for weights on one device."""
-    sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
-    return sharding.mesh if isinstance(sharding, NamedSharding) else None
-
-
 # ----------------------------------------------------------------------------- the sampler
 
 
-def vocab_major_head(graphdef, state) -> jax.Array:
-    """The LM head as [V, E] in the compute dtype (see the module docstring): the embedding itself when tied,
-    else a transposed copy of lm_head, made once per weight update rather than once per call."""
-    model = nnx.merge(graphdef, state)
-    head = model.embed[...] if model.lm_head is None else model.lm_head[...].T
-    return head.astype(model.compute_dtype)
-
-
 class Sampler:
-    """Generates completions for batches of token-id prompts from an NNX Transformer."""
+    """Generates completions for batches of token-id prompts from an NNX Transformer (a common.Generator). Over
+    abstract weights (common module docstring) only programs() may be used."""
 
     def __init__(self, model: nnx.Module, eos_ids: Sequence[int], pad_id: int, config: SamplerConfig | None = None,
-                 adapters: nnx.Module | None = None):
-        self.config = config or SamplerConfig()
-        problems = self.config.validate()
-        if problems:
-            raise ValueError("invalid sampler config: " + "; ".join(problems))
+                 adapters: nnx.Module | None = None, version: int = 0):
+        self.config = checked_config(config or SamplerConfig())
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.pad_id = int(pad_id)
         self.vocab_size = model.config.vocab_size
+        self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
-        self._head = self._vocab_major_head(self.state)
+        self._head = vocab_major_head(self.graphdef, self.state)
         self.adapter_graphdef, self.adapters = nnx.split(adapters) if adapters is not None else (None, None)
+        self.version = int(version)
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
         self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
         self._compiled: set = set()
@@ -182,8 +154,9 @@ class Sampler:
         leaf = jax.tree.leaves(self.state)[0]
         self.across_hosts = not leaf.sharding.is_fully_addressable
         self._mesh = leaf.sharding.mesh if self.across_hosts else None
+        self._weights_mesh = weights_mesh(self.state)
         # The KV cache's heads for the weights' mesh (cache_layout): its layout inside the program is the compiler's.
-        self.cache_heads = cache_layout(model.config, weights_mesh(self.state))[0]
+        self.cache_heads = cache_layout(model.config, self._weights_mesh)[0]
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
                                                            thread_name_prefix="sampler")
 
@@ -191,19 +164,31 @@ class Sampler:
         """Stop the decode-stream threads once their current work ends (idempotent)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def update_params(self, model_or_state) -> None:
+    def update_params(self, model_or_state, version: int | None = None) -> None:
         """Swap in new trained weights: the model (or its nnx.State), or for a sampler built with LoRA adapters
-        the adapters (or their state), the base weights staying as they are. Same structure: no recompile."""
-        if isinstance(model_or_state, nnx.Module):
-            _, model_or_state = nnx.split(model_or_state)
+        the adapters (or their state), the base weights staying as they are; and their version (default: one
+        more). Same structure: no recompile."""
+        model_or_state = weights_state(model_or_state)
+        self.version = self.version + 1 if version is None else int(version)
         if self.adapter_graphdef is not None:
             self.adapters = model_or_state
             return
         self.state = model_or_state
-        self._head = self._vocab_major_head(model_or_state)
+        self._head = vocab_major_head(self.graphdef, model_or_state)
 
-    def _vocab_major_head(self, state) -> jax.Array:
-        return vocab_major_head(self.graphdef, state)
+    def share_weights(self, state, head, adapters, version: int) -> None:
+        """Sample with another generator's weights as they are (its nnx.State, vocab-major head and adapters, of
+        `version`), no copy made: the continuous engine's static fallback."""
+        self.state, self._head, self.adapters, self.version = state, head, adapters, int(version)
+
+    @property
+    def head(self) -> jax.Array:
+        """The vocab-major LM head the programs take (vocab_major_head of the weights)."""
+        return self._head
+
+    def metrics(self) -> dict:
+        """No running totals: the actor measures the static sampler's throughput itself."""
+        return {}
 
     def generate(self, prompts: list[list[int]], keys, *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
@@ -223,14 +208,7 @@ class Sampler:
         if top_k > self.vocab_size:
             raise ValueError(f"top_k={top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
         n = len(prompts)
-        if n == 0:
-            raise ValueError("generate needs at least one prompt")
-        lens = np.array([len(p) for p in prompts], np.int32)
-        for i, length in enumerate(lens):
-            if length == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if length > cfg.max_prompt_len:
-                raise ValueError(f"prompt {i} has {length} tokens, more than max_prompt_len={cfg.max_prompt_len}")
+        lens = checked_prompts(prompts, cfg.max_prompt_len)
 
         if isinstance(keys, (int, np.integer)):
             keys = jax.random.split(jax.random.key(int(keys)), n)
@@ -241,13 +219,9 @@ class Sampler:
 
         # Rows are split into `decode_streams` chunks of one shape (one compiled program), each run from
         # its own thread (see SamplerConfig.decode_streams).
-        chunks = np.array_split(np.arange(n), min(cfg.decode_streams, n))
-        batch = _bucket(len(chunks[0]), cfg.min_batch_bucket)
-        plen = min(_bucket(int(lens.max()), cfg.min_prompt_bucket), cfg.max_prompt_len)
-        new_bucket = _bucket(max_new, 1)
-        greedy = temperature == 0
-        static = dict(new_bucket=new_bucket, greedy=greedy, top_k=0 if greedy else top_k,
-                      use_top_p=(not greedy) and top_p < 1)
+        calls, batch, plen = self._call_shapes(n, int(lens.max()))
+        chunks = np.array_split(np.arange(n), calls)
+        static = self._static_args(max_new, Sampling(temperature=temperature, top_p=top_p, top_k=top_k))
         scalars = (np.int32(max_new), np.float32(temperature or 1.0), np.float32(top_p))
         state, head, adapters = self.state, self._head, self.adapters
 
@@ -282,13 +256,31 @@ class Sampler:
             tokens=out_tokens[:, :max_new], logprobs=out_lp[:, :max_new], lengths=lengths,
             finish_reasons=["stop" if s else "length" for s in stopped], prompt_lengths=lens)
 
-    def _global_rows(self, tokens, mask, live, keys) -> tuple:
-        """The batch (the same on every process) as global arrays on the mesh that spans hosts: rows split over
-        data x fsdp when they divide evenly (the same split as the weights' fsdp), else every device holds
-        them all. Each process places only the rows its own devices hold."""
+    def _call_shapes(self, rows: int, longest: int) -> tuple[int, int, int]:
+        """A generate of `rows` prompts, the longest of `longest` tokens: its calls (the rows split over
+        decode_streams calls of one shape), their batch bucket and their prompt bucket."""
+        cfg = self.config
+        calls = min(cfg.decode_streams, rows)
+        return (calls, bucket(-(-rows // calls), cfg.min_batch_bucket),
+                min(bucket(longest, cfg.min_prompt_bucket), cfg.max_prompt_len))
+
+    @staticmethod
+    def _static_args(max_new: int, sampling: Sampling) -> dict:
+        """The generate program's static arguments: its new-token bucket and the sampling mode."""
+        return dict(new_bucket=bucket(max_new, 1), **sampling.static)
+
+    def _rows_sharding(self, batch: int) -> NamedSharding | None:
+        """Where a call's rows are: across hosts, split over data x fsdp when they divide evenly (the same split as
+        the weights' fsdp), else whole on every device; otherwise whole on the weights' devices."""
+        if not self.across_hosts:
+            return replicated(self._weights_mesh)
         splits = self._mesh.shape["data"] * self._mesh.shape["fsdp"]
-        spec = PartitionSpec(("data", "fsdp")) if len(live) % splits == 0 else PartitionSpec()
-        sharding = NamedSharding(self._mesh, spec)
+        return NamedSharding(self._mesh, PartitionSpec(("data", "fsdp")) if batch % splits == 0 else PartitionSpec())
+
+    def _global_rows(self, tokens, mask, live, keys) -> tuple:
+        """The batch (the same on every process) as global arrays on the mesh that spans hosts (_rows_sharding).
+        Each process places only the rows its own devices hold."""
+        sharding = self._rows_sharding(len(live))
 
         def placed(x):
             x = np.asarray(x)
@@ -299,8 +291,7 @@ class Sampler:
     def _generate_impl(self, state, head, tokens, mask, live, keys, max_new, temperature, top_p, adapters=None,
                        *, new_bucket, greedy, top_k, use_top_p):
         self.num_compilations += 1  # runs only while tracing, i.e. once per compiled program
-        model = nnx.merge(self.graphdef, state)
-        lora = None if adapters is None else nnx.merge(self.adapter_graphdef, adapters)
+        model, lora = merged(self.graphdef, state, self.adapter_graphdef, adapters)
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         batch, plen = tokens.shape
 
@@ -365,3 +356,82 @@ class Sampler:
                                                             (step, cache, key_mask, out))
         out_tok, out_lp, length, _, stopped = out
         return out_tok, out_lp, length, stopped
+
+    # -- planning -------------------------------------------------------------------------------------
+
+    def programs(self, workload: Workload) -> list[GeneratorProgram]:
+        """The generate program for one handout of workload.samples prompts (the rows split into decode_streams
+        calls of one shape, as generate splits them; shape: (batch, prompt bucket)), over abstract arguments,
+        with its calls per step. Then, since its decode loops stop when every row is done (their trip counts are
+        unknown to XLA, which counts each body once), its parts compiled alone for their cost, from the same model
+        and sampling code: the prefill, then (unless max_new_tokens is 1) one decode step (donating its cache) at
+        the steps-weighted mean cache length of the phases, whose cost_part is the decode steps of a call with
+        every row running to max_new_tokens (a decode step costs a + b x cache length, so that one step times the
+        number of steps is the sum over the phases)."""
+        cfg = self.config
+        calls, batch, plen = self._call_shapes(workload.samples, workload.prompt_len)
+        new_bucket = bucket(cfg.max_new_tokens, 1)
+        sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        static = self._static_args(cfg.max_new_tokens, sampling)
+        mesh = self._weights_mesh
+        whole, rows = replicated(mesh), self._rows_sharding(batch)
+        state, head, adapters = abstract_arrays((self.state, self._head, self.adapters))
+
+        def sds(shape, dtype, sharding=whole):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+        args = (state, head, sds((batch, plen), jnp.int32, rows), sds((batch, plen), jnp.bool_, rows),
+                sds((batch,), jnp.bool_, rows), sds(keys.shape, keys.dtype, rows), sds((), jnp.int32),
+                sds((), jnp.float32), sds((), jnp.float32))
+        programs = [GeneratorProgram(name="sampler generate", label="sampler generate", jitted=self._generate,
+                                     args=args, kwargs=dict(static, adapters=adapters), shape=(batch, plen),
+                                     calls_per_step=calls)]
+
+        graphdef, adapter_graphdef, model_config = self.graphdef, self.adapter_graphdef, self.model_config
+        sample = functools.partial(sample_logits, vocab_major=True, greedy=static["greedy"], top_k=static["top_k"],
+                                   use_top_p=static["use_top_p"])
+
+        def head_logits(head, h):
+            return jnp.einsum("ve,be->vb", head, h, preferred_element_type=jnp.float32)
+
+        def lora(adapters):
+            return None if adapters is None else nnx.merge(adapter_graphdef, adapters)
+
+        def prefill(state, head, tokens, mask, u, temperature, top_p, adapters):
+            model = nnx.merge(graphdef, state)
+            hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask,
+                                                model.init_cache(*tokens.shape), 0, adapters=lora(adapters))
+            return sample(head_logits(head, hidden[:, -1]), u, temperature, top_p), cache
+
+        def decode(state, head, prev, positions, key_mask, cache, slot, u, temperature, top_p, adapters):
+            model = nnx.merge(graphdef, state)
+            hidden, cache = model.hidden_states(prev, positions, key_mask, cache, slot, adapters=lora(adapters))
+            return sample(head_logits(head, hidden[:, 0]), u, temperature, top_p), cache
+
+        scalars = (sds((batch,), jnp.float32), sds((), jnp.float32), sds((), jnp.float32))
+        programs.append(GeneratorProgram(
+            name="sampler generate", label="sampler generate (the prefill alone, for its cost)",
+            jitted=jax.jit(prefill),
+            args=(state, head, sds((batch, plen), jnp.int32), sds((batch, plen), jnp.bool_), *scalars, adapters),
+            shape=(batch, plen), cost_part=1))
+        steps, weighted, start = 0, 0, 1
+        for end in _phase_ends(new_bucket, cfg.decode_phases):
+            phase_steps = max(min(end, cfg.max_new_tokens) - start, 0)
+            steps, weighted, start = steps + phase_steps, weighted + phase_steps * (plen + end), max(start, end)
+        if not steps:
+            return programs
+        length = round(weighted / steps)
+        heads, cache_sharding = cache_layout(model_config, mesh)
+        shape = (batch, heads, length, model_config.resolved_head_dim)
+        cache = tuple((sds(shape, DTYPES[model_config.dtype], cache_sharding),) * 2
+                      for _ in range(model_config.num_layers))
+        # The cache is updated in place, as in the generate loop: donated, and returned with the same layout.
+        out = {} if mesh is None else {"out_shardings": ((whole, whole), cache_sharding)}
+        programs.append(GeneratorProgram(
+            name="sampler generate", label="sampler generate (one decode step alone, for its cost)",
+            jitted=jax.jit(decode, donate_argnums=(5,), **out),
+            args=(state, head, sds((batch, 1), jnp.int32), sds((batch, 1), jnp.int32), sds((batch, length), jnp.bool_),
+                  cache, sds((), jnp.int32), *scalars, adapters),
+            shape=(batch, length), donated=(5,), cost_part=steps))
+        return programs
