@@ -45,6 +45,14 @@ def max_param_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def tempered_entropy(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """NumPy, float64: the entropy of softmax(logits / temperature) over the last axis (no truncation)."""
+    x = logits.astype(np.float64) / temperature
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return -(np.exp(logp) * logp).sum(-1)
+
+
 @pytest.mark.parametrize("aggregation, micro", [("token_mean", 1), ("seq_mean_token_mean", 2),
                                                 ("seq_mean_token_sum_norm", 2)])
 def test_micro_batches_give_the_whole_batch_update(aggregation, micro):
@@ -393,9 +401,9 @@ def test_tempered_logprobs_truncate_like_the_sampler(top_k, top_p, temperature):
         x = logits[-1].astype(np.float64) / temperature
         last = x - np.log(np.exp(x[kept[-1] | (np.arange(40) == targets[-1])]).sum())
     np.testing.assert_allclose(logprobs[-1], last[targets[-1]], atol=2e-5)
-    p = np.where(kept, np.exp(np.where(kept, expected, 0.0)), 0.0)
-    np.testing.assert_allclose(entropy[:-1], -(p * np.where(kept, expected, 0.0)).sum(-1)[:-1], atol=1e-4)
-    assert np.all(np.isfinite(entropy))
+    # The entropy is the untruncated tempered distribution's (the entropy bonus's: see the entropy tests below),
+    # for every row, the one whose target the truncation drops included.
+    np.testing.assert_allclose(entropy, tempered_entropy(logits, temperature), atol=1e-4)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (6, 1.0), (10, 0.8)])
@@ -567,7 +575,7 @@ def test_a_learner_step_with_chunked_logprobs_equals_the_unchunked_one(model_con
 # ------------------------------------------------------------------ the entropy bonus (loss.entropy_coef)
 
 
-@pytest.mark.parametrize("top_k, top_p, temperature", [(0, 1.0, 1.0), (0, 0.9, 1.3), (6, 1.0, 0.7)])
+@pytest.mark.parametrize("top_k, top_p, temperature", [(0, 1.0, 1.0), (0, 0.9, 1.3), (6, 1.0, 0.7), (7, 0.8, 0.9)])
 def test_entropy_gradient_matches_numpy_and_stays_finite_under_truncation(top_k, top_p, temperature):
     from grpo_jax.algorithm.sampling import tempered_logprobs
     rng = np.random.default_rng(top_k + int(10 * top_p))
@@ -581,15 +589,53 @@ def test_entropy_gradient_matches_numpy_and_stays_finite_under_truncation(top_k,
 
     grad = np.asarray(jax.grad(weighted_entropy)(jnp.asarray(logits)))
     assert np.all(np.isfinite(grad))
-    # dH/dz_i = -p_i (log p_i + H) over the kept set (0 outside it), with z = logits / temperature.
-    expected = np.zeros_like(grad, dtype=np.float64)
-    for row in range(5):
-        logp = _filtered_logprobs(logits[row], temperature, top_k, top_p)
-        kept = np.isfinite(logp)
-        p = np.where(kept, np.exp(np.where(kept, logp, 0.0)), 0.0)
-        entropy = -(p * np.where(kept, logp, 0.0)).sum()
-        expected[row] = weights[row] * np.where(kept, -p * (np.where(kept, logp, 0.0) + entropy), 0.0) / temperature
+    # dH/dz_i = -p_i (log p_i + H) over the whole vocabulary, with z = logits / temperature and p = softmax(z): the
+    # untruncated tempered distribution's, whatever top_k and top_p (the sampler's truncation only decides which
+    # tokens are drawn; the bonus acts on the distribution they are drawn from before it).
+    x = logits.astype(np.float64) / temperature
+    logp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+    p = np.exp(logp)
+    entropy = -(p * logp).sum(-1, keepdims=True)
+    expected = weights[:, None] * -p * (logp + entropy) / temperature
     np.testing.assert_allclose(grad, expected, atol=2e-5)
+    assert (np.abs(grad) > 1e-9).all()  # every token's logit gets gradient, not only the kept ones'
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (1, 1.0), (4, 0.5)])
+def test_the_entropy_bonus_and_its_floor_act_where_the_truncation_left_one_token(top_k, top_p):
+    """A position whose top token holds 0.95 of the mass: top_p 0.9 (or top_k 1) leaves the sampler one token, whose
+    truncated distribution has entropy 0 whatever the logits (no gradient). The bonus and entropy_floor act on the
+    untruncated tempered distribution instead (verl's entropy_coeff): 0.370 nats here, below a floor of 1, and a
+    gradient that lowers the top token's logit. The log-prob the ratio uses stays the truncated one (0: the sampler
+    draws that token surely), so the importance weight at staleness 0 is unchanged."""
+    from grpo_jax.algorithm.losses import policy_loss
+    from grpo_jax.algorithm.sampling import tempered_logprobs
+    vocab, temperature = 32, 1.0
+    logits = np.zeros((1, 1, vocab), np.float32)
+    logits[..., 0] = np.log(0.95 * (vocab - 1) / 0.05)  # p(top) = 0.95
+    targets = jnp.zeros((1, 1), jnp.int32)
+    config = LossConfig(aggregation="token_mean", off_policy="none", entropy_coef=0.1, entropy_floor=1.0)
+
+    def loss(z):
+        logprobs, entropy = tempered_logprobs(z, targets, temperature, top_k, top_p, with_entropy=True)
+        value, metrics = policy_loss(logprobs, jax.lax.stop_gradient(logprobs), None, None, jnp.zeros(1),
+                                     jnp.ones((1, 1)), config, entropies=entropy)
+        return value, (logprobs, entropy, metrics)
+
+    (value, (logprobs, entropy, metrics)), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(logits))
+    want = tempered_entropy(logits, temperature)
+    assert float(want[0, 0]) == pytest.approx(0.3702, abs=1e-4)
+    np.testing.assert_allclose(np.asarray(entropy), want, rtol=1e-5)
+    assert float(metrics["entropy"]) == pytest.approx(float(want[0, 0]), rel=1e-5)
+    assert float(metrics["entropy/below_floor"]) == 1.0
+    assert float(logprobs[0, 0]) == pytest.approx(0.0, abs=1e-6)  # the truncated distribution: one token, surely
+    # d(-coef * H)/dz_i = coef * p_i (log p_i + H): NumPy, every logit.
+    x = logits[0, 0].astype(np.float64)
+    logp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    p = np.exp(logp)
+    np.testing.assert_allclose(np.asarray(grad)[0, 0], config.entropy_coef * p * (logp + want[0, 0]), rtol=1e-4,
+                               atol=1e-9)
+    assert float(np.asarray(grad)[0, 0, 0]) == pytest.approx(3.03e-2, rel=1e-2)  # raises the entropy: top logit down
 
 
 def test_entropy_bonus_alone_raises_the_policys_entropy():

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_jax.algorithm.losses import LossConfig, aggregate, kl_per_token, policy_loss
+from grpo_jax.algorithm.losses import (
+    LossConfig,
+    Trajectories,
+    aggregate,
+    count_sequences,
+    kl_per_token,
+    policy_loss,
+    sequences_of,
+)
 
 B, T = 5, 7
 
@@ -420,3 +428,155 @@ def test_k1_kl_as_a_loss_is_warned_and_its_expected_gradient_is_zero():
 
     np.testing.assert_allclose(expected_gradient("k1"), 0.0, atol=1e-6)
     assert np.abs(expected_gradient("k2")).max() > 1e-2
+
+
+# ---- trajectories cut into segments (multi-turn): one sequence for the sequence-level reductions (issue 36, 16) ----
+
+
+def segmented_batch(seed, B=8, T=5, trajectories=3):
+    """make_batch's rows as the segments of `trajectories` trajectories (random, ragged, some of one segment), each
+    segment with its trajectory's advantage; and the reference: the same tokens with each trajectory as one row (its
+    segments' tokens one after the other), which the loss without trajectories must agree with."""
+    rng = np.random.default_rng(seed)
+    b = make_batch(seed, B=B, T=T)
+    owner = rng.integers(0, trajectories, B)
+    owner[:trajectories] = np.arange(trajectories)  # every trajectory has a segment (maybe without tokens)
+    ids = 100 + 7 * owner  # any values: only equality counts
+    adv = rng.normal(size=trajectories)
+    b["advantages"] = np.where(b["mask"].any(axis=1), adv[owner], b["advantages"])
+    width = max(int(b["mask"][owner == t].sum()) for t in range(trajectories))
+    merged = {k: np.zeros((trajectories, width)) for k in b if k not in ("advantages", "mask")}
+    merged["mask"] = np.zeros((trajectories, width), bool)
+    merged["advantages"] = adv
+    for t in range(trajectories):
+        rows = np.flatnonzero(owner == t)
+        sel = b["mask"][rows]
+        n = int(sel.sum())
+        for k in merged:
+            if k not in ("advantages", "mask"):
+                merged[k][t, :n] = b[k][rows][sel]
+        merged["mask"][t, :n] = True
+    return b, ids, merged
+
+
+def call_segmented(b, cfg, trajectories, sequence_ids=None):
+    """policy_loss (jitted: a handful of programs, not hundreds of eager operations) on batch dict `b`."""
+    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
+    return _jitted(j["logprobs"], j["old_logprobs"], j["behaviour_logprobs"], j["ref_logprobs"], j["advantages"],
+                   j["mask"], cfg, entropies=j["entropies"], sequence_ids=sequence_ids, trajectories=trajectories)
+
+
+def jitted_grad(loss):
+    return jax.jit(jax.grad(loss))
+
+
+SEGMENT_CASES = [config_for(*case) for case in (
+    ("grpo", "seq_mean_token_mean", 2.5, "tis", "k3"), ("grpo", "seq_mean_token_sum_norm", None, "decoupled", "k2"),
+    ("gspo", "seq_mean_token_mean", None, "tis", "k1"), ("gspo", "seq_mean_token_sum_norm", 2.5, "none", 0.0),
+    ("grpo", "token_mean", None, "tis", "k3"), ("gspo", "token_mean", None, "none", 0.0))]
+
+
+@pytest.mark.parametrize("seed, cfg", list(enumerate(SEGMENT_CASES)),
+                         ids=[f"{c.loss_type}-{c.aggregation}" for c in SEGMENT_CASES])
+def test_a_trajectorys_segments_are_one_sequence(seed, cfg):
+    """Loss (NumPy reference), gradient and every metric of a segmented batch with Trajectories are those of the
+    same tokens with each trajectory one row: a trajectory of k segments counts once in the sequence means, GSPO's
+    ratio and its clip are the trajectory's; without Trajectories it would count k times (the check can fail)."""
+    cfg = dataclasses.replace(cfg, entropy_coef=0.02)
+    b, ids, merged = segmented_batch(seed)
+    trajectories = Trajectories(jnp.asarray(ids))
+    loss, metrics = call_segmented(b, cfg, trajectories)
+    np.testing.assert_allclose(float(loss), ref_loss(merged, cfg), rtol=2e-5, atol=1e-6)
+    want_loss, want = call(merged, cfg, fn=_jitted)
+    for key in want:
+        np.testing.assert_allclose(float(metrics[key]), float(want[key]), rtol=2e-5, atol=1e-6, err_msg=key)
+    assert float(metrics["num_seqs"]) == pytest.approx(3.0)
+    # Per token: the gradient of each segment's token is its token's in the merged row.
+    grad = np.asarray(jitted_grad(lambda lp: call_segmented({**b, "logprobs": lp}, cfg, trajectories)[0])(
+        jnp.asarray(b["logprobs"], jnp.float32)))
+    want_grad = np.asarray(jitted_grad(lambda lp: call({**merged, "logprobs": lp}, cfg, fn=_jitted)[0])(
+        jnp.asarray(merged["logprobs"], jnp.float32)))
+    owner = (ids - 100) // 7
+    for t in range(3):
+        np.testing.assert_allclose(grad[owner == t][b["mask"][owner == t]], want_grad[t][merged["mask"][t]],
+                                   rtol=1e-5, atol=1e-8)
+    assert not grad[~b["mask"]].any()
+    if cfg.aggregation != "token_mean" or cfg.loss_type == "gspo":
+        assert abs(float(call(b, cfg, fn=_jitted)[0]) - float(want_loss)) > 1e-4  # per segment, it differs
+
+
+def test_trajectories_of_one_segment_change_nothing():
+    b = make_batch(seed=31)
+    for cfg in SEGMENT_CASES[:4]:
+        plain, plain_metrics = call(b, cfg, fn=_jitted)
+        each, each_metrics = call_segmented(b, cfg, Trajectories(jnp.arange(B) * 3))
+        assert float(each) == float(plain)
+        for key in plain_metrics:
+            np.testing.assert_allclose(float(each_metrics[key]), float(plain_metrics[key]), rtol=1e-6, err_msg=key)
+
+
+def test_packed_slots_and_parts_of_a_batch_add_up_to_the_whole():
+    """The same segments two to a row (sequence slots, as the learner packs them) give the padded layout's loss and
+    metrics; and parts of the batch (the learner's micro-batches), given their trajectories' token counts and
+    (GSPO) mean log-ratios over the whole, add up to the whole's loss and gradient, weighted by count_sequences."""
+    cfg = dataclasses.replace(config_for("gspo", "seq_mean_token_mean", None, "tis", "k3"), gspo_clip_low=0.01,
+                              gspo_clip_high=0.01)
+    b, ids, _ = segmented_batch(4, B=8, T=5)
+    whole, whole_metrics = call_segmented(b, cfg, Trajectories(jnp.asarray(ids)))
+    # Packed: row r holds segments 2r (slot 0) and 2r + 1 (slot 1), the first's tokens then the second's.
+    mask = b["mask"]
+    packed = {k: np.zeros((4, 10)) for k in b if k not in ("advantages", "mask")}
+    packed["mask"] = np.zeros((4, 10), bool)
+    slots = np.zeros((4, 10), np.int32)
+    for r in range(4):
+        at = 0
+        for slot, i in enumerate((2 * r, 2 * r + 1)):
+            n = int(mask[i].sum())
+            for k in packed:
+                if k != "mask":
+                    packed[k][r, at:at + n] = b[k][i][mask[i]]
+            packed["mask"][r, at:at + n], slots[r, at:at + n] = True, slot
+            at += n
+    packed["advantages"] = b["advantages"].reshape(4, 2)
+    loss, metrics = call_segmented(packed, cfg, Trajectories(jnp.asarray(ids.reshape(4, 2))),
+                                   sequence_ids=jnp.asarray(slots))
+    np.testing.assert_allclose(float(loss), float(whole), rtol=1e-5)
+    for key in whole_metrics:
+        np.testing.assert_allclose(float(metrics[key]), float(whole_metrics[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+
+    # Parts: rows 0, 2, 4, 6 and 1, 3, 5, 7, each given its trajectories' totals over the whole batch.
+    j = {k: jnp.asarray(v, jnp.float32 if k != "mask" else bool) for k, v in b.items()}
+    @jax.jit
+    def over_the_whole(mask, advantages, log_ratio, ids):
+        everything = sequences_of(mask, advantages, trajectories=Trajectories(ids))
+        per_slot = everything.over_trajectory(everything.sum(jnp.where(mask, log_ratio, 0.0)))
+        return (everything.lengths, per_slot / jnp.maximum(everything.lengths, 1.0),
+                count_sequences(mask, advantages, trajectories=Trajectories(ids)))
+
+    lengths, log_ratio, total = over_the_whole(j["mask"], j["advantages"], j["logprobs"] - j["old_logprobs"],
+                                               jnp.asarray(ids))
+    assert float(total) == pytest.approx(3.0)
+
+    def parts_loss(lp):
+        out = 0.0
+        for part in (slice(0, None, 2), slice(1, None, 2)):
+            given = Trajectories(jnp.asarray(ids[part]), lengths[part], log_ratio[part])
+            loss, _ = policy_loss(
+                lp[part], j["old_logprobs"][part], j["behaviour_logprobs"][part], j["ref_logprobs"][part],
+                j["advantages"][part], j["mask"][part], cfg, entropies=j["entropies"][part], trajectories=given)
+            out = out + loss * count_sequences(j["mask"][part], j["advantages"][part], trajectories=given) / total
+        return out
+
+    def whole_loss(lp):
+        return call_segmented({**b, "logprobs": lp}, cfg, Trajectories(jnp.asarray(ids)))[0]
+
+    lp = jnp.asarray(b["logprobs"], jnp.float32)
+    np.testing.assert_allclose(float(jax.jit(parts_loss)(lp)), float(whole), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jitted_grad(parts_loss)(lp)), np.asarray(jitted_grad(whole_loss)(lp)),
+                               rtol=1e-5, atol=1e-8)
+    # ... whereas without the whole's totals each part would see only its own segments (the check can fail).
+    naive = sum(float(_jitted(lp[p], j["old_logprobs"][p], j["behaviour_logprobs"][p], j["ref_logprobs"][p],
+                              j["advantages"][p], j["mask"][p], cfg, entropies=j["entropies"][p],
+                              trajectories=Trajectories(jnp.asarray(ids[p])))[0]) / 2
+                for p in (slice(0, None, 2), slice(1, None, 2)))
+    assert abs(naive - float(whole)) > 1e-4

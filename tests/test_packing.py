@@ -204,3 +204,82 @@ def test_micro_batches_counted_in_tokens():
     split.step(packed)
     moved = max_param_diff(start, params_of(whole))
     assert moved > 1e-2 and max_param_diff(params_of(whole), params_of(split)) < 1e-5 * moved
+
+
+# ---- multi-turn trajectories cut into segments: one sequence for the sequence-level reductions (issue 36, 16) ----
+
+
+def segmented_step(seed: int, trajectories: int, mini_batches: int, unit: int):
+    """A step of `trajectories` trajectories of 1 to 3 segments each (random_sequences' segments, some failed
+    trajectories), in both layouts: packed (pack_sequences with the segments' trajectories: a trajectory's segments
+    in mini-batch t % M) and padded, one segment per row, rows placed so that row r (in mini-batch r % M) holds a
+    segment of a trajectory t with t % M == r % M, empty rows filling the gaps. Each segment has its trajectory's
+    advantage and validity."""
+    rng = np.random.default_rng(seed)
+    owner = np.repeat(np.arange(trajectories), rng.integers(1, 4, trajectories))
+    n = len(owner)
+    prompts, completions, behaviour, _, _ = random_sequences(seed, n)
+    advantages = rng.normal(size=trajectories).astype(np.float32)[owner]
+    valid = (rng.random(trajectories) > 0.15)[owner]
+    layout = pack_layout(*sequence_lengths(prompts, completions, valid)[:2], PROMPT_LEN + COMPLETION_LEN,
+                         COMPLETION_LEN, mini_batches, trajectories=owner)
+    packed = pack_sequences(prompts, completions, behaviour, advantages, 0, PROMPT_LEN + COMPLETION_LEN,
+                            COMPLETION_LEN, mini_batches, valid=valid, layout=layout,
+                            rows=-(-layout.rows // unit) * unit, trajectories=owner)
+    per_mini = [np.flatnonzero(owner % mini_batches == m) for m in range(mini_batches)]
+    depth = -(-max(len(p) for p in per_mini) // (unit // mini_batches)) * (unit // mini_batches)
+    order = np.full((depth, mini_batches), -1)
+    for m, members in enumerate(per_mini):
+        order[:len(members), m] = members
+    order = order.reshape(-1)  # row j * M + m: the j-th segment of mini-batch m, or -1 (empty)
+    empty = order < 0
+
+    def placed(values, fill):
+        return [fill if i < 0 else values[i] for i in order]
+
+    padded = pack_batch(placed(prompts, np.array([1])), placed(completions, np.zeros(0, np.int64)),
+                        placed(behaviour, np.zeros(0)), np.where(empty, 0.0, advantages[order]).astype(np.float32), 0,
+                        PROMPT_LEN, COMPLETION_LEN, valid=np.where(empty, False, valid[order]),
+                        trajectories=np.where(empty, 1000 + np.arange(len(order)), owner[order]))
+    trained = np.unique(owner[valid & (np.array([len(c) for c in completions]) > 0)])
+    return padded, packed, len(trained)
+
+
+SEGMENT_CASES = {
+    "seq_mean_token_mean": (LossConfig(aggregation="seq_mean_token_mean", off_policy="tis", kl_coef=0.05),
+                            dict(mini_batches=2, epochs=2, micro_batch_size=2)),
+    "gspo": (LossConfig(loss_type="gspo", aggregation="seq_mean_token_mean", off_policy="tis",
+                        gspo_clip_low=0.02, gspo_clip_high=0.02), dict(mini_batches=2, epochs=2, micro_batch_size=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+def test_a_segmented_step_trains_alike_in_both_layouts_and_whatever_the_micro_batches(case):
+    """A trajectory's segments counted as one sequence (losses.Trajectories, checked against NumPy in
+    test_losses.py) in a learner step of mini-batches, epochs and micro-batches that split trajectories: packed and
+    padded rows end with the same parameters and metrics; GSPO's trajectory ratios over micro-batches (a forward pass
+    over the mini-batch first) equal those of one micro-batch holding it all; num_seqs counts trajectories. Treated
+    as separate sequences, the segments train otherwise (the check can fail)."""
+    loss, optim = SEGMENT_CASES[case]
+    optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=0.0, **optim)
+    padded, packed, trajectories = segmented_step(7, 12, optim.mini_batches, optim.mini_batches * 2)
+    reference = create_model(MODEL, seed=9) if loss.needs_reference else None
+
+    def trained(batch, optim=optim):
+        learner = Learner(create_model(MODEL, seed=1), optim, loss, reference_model=reference, temperature=0.8)
+        metrics, applied = learner.step(batch)
+        assert applied.all()
+        return params_of(learner), metrics
+
+    start = params_of(Learner(create_model(MODEL, seed=1), optim, dataclasses.replace(loss, kl_coef=0.0)))
+    (p_padded, m_padded), (p_packed, m_packed) = trained(padded), trained(packed)
+    moved = max_param_diff(start, p_padded)
+    assert moved > 1e-2 and max_param_diff(p_padded, p_packed) < 1e-5 * moved
+    for key in m_padded:
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-5, abs=1e-6), key
+    assert m_packed["num_seqs"] == pytest.approx(trajectories, rel=1e-6)
+    if loss.loss_type == "gspo":  # one micro-batch per mini-batch: the loss sums each trajectory itself
+        whole, _ = trained(packed, dataclasses.replace(optim, micro_batch_size=0))
+        assert max_param_diff(whole, p_packed) < 1e-5 * moved
+    apart, _ = trained(dataclasses.replace(packed, trajectories=None))
+    assert max_param_diff(apart, p_packed) > 1e-3 * moved

@@ -306,9 +306,12 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
             np.testing.assert_array_equal(loss_mask[r, span], grp.extras[SEGMENT_MASKS][i])
             np.testing.assert_array_equal(behaviour[r, span], grp.behaviour_logprobs[i])
             assert batch.advantages[r, slot] == grp.extras["advantages"][t]
+            # Its trajectory, numbered group after group (each of these groups has all g trajectories).
+            assert batch.trajectories[r, slot] == groups.index(grp) * g + t
             found += 1
     trained = [(grp, i) for grp, i in segments if grp.extras["valid"][grp.extras[SEGMENT_TRAJECTORY][i]]]
     assert found == len(trained) < len(segments)
+    assert (np.asarray(batch.trajectories) >= 0).sum() == found  # an empty slot is -1
     # The loss mask covers exactly the sampled tokens of the valid trajectories' segments, nothing else.
     assert loss_mask.sum() == sum(grp.extras[SEGMENT_MASKS][i].sum() for grp, i in trained)
 
@@ -320,12 +323,26 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
     assert sequence_tokens(first, g) == sum(len(p) + len(c) for p, c in zip(first.extras[SEGMENT_PROMPTS],
                                                                             first.completions))
 
-    # Which groups an update trained: update 0 trained mini-batch 0 only (rows 0, 2, ... of this process).
+    # Two mini-batches: a trajectory's segments are in one (trajectory n in mini-batch n % 2), whatever their rows.
     two = fake_trainer(tmp_path / "two", "optim.mini_batches=2")
-    counts = [len(grp.completions) for grp in groups]
-    starts = np.cumsum([0] + counts[:-1])
-    expected = [any((s + k) % 2 == 0 for k in range(n)) for s, n in zip(starts, counts)]
-    assert Trainer._groups_trained(two, groups, np.array([True, False])) == expected
+    two_batch, _ = Trainer.learner_batch(two, groups)
+    numbers, rows = np.asarray(two_batch.trajectories), np.arange(len(two_batch.tokens))[:, None]
+    placed = numbers >= 0
+    assert ((np.broadcast_to(rows, numbers.shape)[placed] % 2) == numbers[placed] % 2).all()
+    assert max(np.sum(numbers == n) for n in np.unique(numbers[placed])) > 1  # some trajectory has several segments
+    # Which groups an update trained: mini-batch u % 2 holds trajectories u, u + 2, ... (group after group, each
+    # group's by rank). A group left with one trajectory of several segments trains in one mini-batch only.
+    alone = next(t for t in range(g) if np.sum(groups[1].extras[SEGMENT_TRAJECTORY] == t) > 1)
+    keep = np.flatnonzero(groups[1].extras[SEGMENT_TRAJECTORY] == alone)
+    single = dataclasses.replace(groups[1], completions=[groups[1].completions[i] for i in keep],
+                                 behaviour_logprobs=[groups[1].behaviour_logprobs[i] for i in keep],
+                                 extras={**groups[1].extras, SEGMENT_PROMPTS: [groups[1].extras[SEGMENT_PROMPTS][i]
+                                                                                for i in keep],
+                                         SEGMENT_MASKS: [groups[1].extras[SEGMENT_MASKS][i] for i in keep],
+                                         SEGMENT_TRAJECTORY: groups[1].extras[SEGMENT_TRAJECTORY][keep]})
+    three = [groups[0], single, groups[2]]  # trajectories 0 .. g-1, g (the single one: mini-batch 0), g+1 .. 2g
+    assert Trainer._groups_trained(two, three, np.array([False, True])) == [True, False, True]
+    assert Trainer._groups_trained(two, three, np.array([True, False])) == [True, True, True]
     broken = segment_group(9, rng, g, length, budget)
     del broken.extras[SEGMENT_MASKS][1:]  # masks missing: refused, naming the key
     with pytest.raises(ValueError, match=r'extras\["segment_masks"\] has 1 entries'):
@@ -338,6 +355,29 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
     assert "sampled tokens, over sampler.max_new_tokens=0" in Trainer._segments_fit(trainer, groups[0])
     trainer.plan = types.SimpleNamespace(row_length=2)
     assert "over a learner row of 2" in Trainer._segments_fit(trainer, groups[0])
+
+
+def test_a_segment_step_is_the_batch_compile_compiles_the_learner_for(tmp_path):
+    """With an env section the learner batch carries the segments' trajectories, and grpo-jax compile's abstract
+    batch (RunPlan.abstract_batch) has the same fields, shapes and dtypes; without one neither has them."""
+    for name, turns in (("env", 3), ("plain", None)):
+        trainer = fake_trainer(tmp_path / name)
+        g, rng = trainer.config.grpo.group_size, np.random.default_rng(2)
+        if turns is None:
+            trainer.plan = dataclasses.replace(trainer.plan, config=trainer.config)
+            groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([1, 2, 3], np.int32)},
+                            completions=[np.array([4, 5], np.int32)] * g, behaviour_logprobs=[np.zeros(2)] * g,
+                            rewards=np.zeros(g, np.float32), weight_version=0,
+                            extras={"advantages": rng.normal(size=g).astype(np.float32), "valid": np.ones(g, bool)})
+                      for i in range(trainer.local_prompts)]
+        else:
+            groups = [segment_group(i, rng, g, trainer.plan.row_length, trainer.completion_bucket) for i in range(2)]
+        batch, padding = Trainer.learner_batch(trainer, groups)
+        assert (batch.trajectories is not None) == (turns is not None) == trainer.plan.trains_segments
+        abstract = trainer.plan.abstract_batch(rows=padding["learner/rows"])
+        assert jax.tree.structure(batch) == jax.tree.structure(abstract)
+        for got, want in zip(jax.tree.leaves(batch), jax.tree.leaves(abstract)):
+            assert np.shape(got) == want.shape and np.asarray(got).dtype == want.dtype
 
 
 def test_ordinary_groups_are_laid_out_as_before_and_segments_need_packing(tmp_path):

@@ -47,6 +47,17 @@ gradient equal to the mini-batch's gradient, not an average of per-micro-batch m
 num_tokens and num_seqs count the rollout batch's trained tokens and sequences (summed over micro- and
 mini-batches, once per row however many epochs).
 
+Multi-turn trajectories (TrainBatch.trajectories): a trajectory cut into several sequences (segments) is one
+sequence for the losses' sequence-level reductions (losses.Trajectories: its token mean over all its segments'
+tokens, counted once among the sequences and in num_seqs, one GSPO ratio and clip). Its segments train in one
+mini-batch (pack_layout assigns mini-batches by trajectory), but the rows of a mini-batch split into micro-batches
+whatever their trajectories, so before the micro-batches each update takes from the whole mini-batch what a
+micro-batch cannot see: each trajectory's trained tokens (a segment then counts its share of its trajectory in the
+denominators, and the shares add up to 1 over the micro-batches), and for GSPO over several micro-batches each
+trajectory's mean log-ratio under the current weights, which costs a forward pass over the mini-batch in every
+update after a step's first (with one update per step the ratio is 1). The gradient then equals the mini-batch's
+whatever the split, in either layout (tests/test_packing.py).
+
 The learning rate is a function of the learner-step index (Learner.steps_done, the learner steps that
 applied an update), passed into the step: every update of a step runs at that step's rate, whatever
 updates were skipped before it. optax's own schedule count advances per applied update only (a skipped
@@ -79,7 +90,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from grpo_jax.algorithm.losses import LossConfig, count_sequences, policy_loss
+from grpo_jax.algorithm.losses import LossConfig, Trajectories, count_sequences, policy_loss, sequences_of
 from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
@@ -104,8 +115,9 @@ class OptimConfig:
     mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
     epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
     max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
-    # Completion positions whose logits exist at once (chunked_logprobs): a device holds rows x this x vocab
-    # float32 logits, not rows x max_new_tokens x vocab. 0: all positions at once.
+    # Completion positions whose logits exist at once (chunked_logprobs): the compiled step holds a few float32
+    # buffers of rows x this x vocab (the logits, their softmax and its gradient; more with top-p or top-k and the
+    # entropy: docs/benchmarks.md), none of rows x max_new_tokens x vocab. 0: all positions at once.
     logprob_chunk: int = 128
     # Micro-batches counted in tokens: each holds micro_batch_tokens // (the learner's row length, prompt bucket
     # + completion bucket) rows. 0: micro_batch_size rows. Set at most one of the two.
@@ -230,6 +242,10 @@ class TrainBatch:
     # Routing replay: [B, L-1, layers with experts, experts per token] int32, the experts each input token (tokens[:,
     # :-1]) went through when it was sampled (Transformer.hidden_states' routing); None: the learner's router picks.
     routing: jax.Array | None = None
+    # Multi-turn: per sequence, as advantages ([B], or [B, K] per slot), int32: the trajectory it is a segment of;
+    # sequences with equal numbers are one trajectory for the losses' sequence-level reductions (losses.Trajectories),
+    # and must lie in one mini-batch (rows of one r % mini_batches). None: each sequence its own trajectory.
+    trajectories: jax.Array | None = None
 
     def scored(self, x: jax.Array) -> jax.Array:
         """The [B, L-1, ...] per-position array cut to the positions that score completion tokens."""
@@ -315,13 +331,27 @@ def chunked_logprobs(logits_of, hidden: jax.Array, targets: jax.Array, chunk: in
     return unchunk(logprobs), (unchunk(entropy) if with_entropy else None)
 
 
-def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig) -> jax.Array:
+def _aggregation_weight(batch: TrainBatch, loss_config: LossConfig, trajectories: Trajectories | None) -> jax.Array:
     """This micro-batch's share of the update's loss denominator (before division by the total)."""
     mask = batch.scored(batch.loss_mask)
     if loss_config.aggregation == "token_mean":
         return jnp.sum(mask)
-    # policy_loss averages over sequences that have at least one token (padding rows, empty slots drop out).
-    return count_sequences(mask, batch.advantages, batch.sequence_ids())
+    # policy_loss averages over sequences that have at least one token (padding rows, empty slots drop out); a
+    # trajectory's segments count by their shares of it, which add up to 1 over the micro-batches.
+    return count_sequences(mask, batch.advantages, batch.sequence_ids(), trajectories)
+
+
+def trajectory_totals(batch: TrainBatch, log_ratio: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """Per sequence slot of a batch with trajectories (shaped as its advantages): its trajectory's trained tokens
+    over the whole batch, and with `log_ratio` ([B, C] at the scored positions) its trajectory's mean log-ratio
+    (GSPO's), for micro-batches that hold only some of a trajectory's segments (losses.Trajectories)."""
+    mask = batch.scored(batch.loss_mask)
+    sequences = sequences_of(mask, batch.advantages, batch.sequence_ids(), Trajectories(batch.trajectories))
+    shape = jnp.shape(batch.advantages)
+    if log_ratio is None:
+        return sequences.lengths.reshape(shape), None
+    summed = sequences.over_trajectory(sequences.sum(jnp.where(mask > 0, log_ratio, 0.0)))
+    return sequences.lengths.reshape(shape), (summed / jnp.maximum(sequences.lengths, 1.0)).reshape(shape)
 
 
 def split_rows(tree, parts: int):
@@ -388,11 +418,19 @@ def _merge_metrics(stacked: dict, weights: jax.Array) -> dict:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _Rows:
-    """A batch with the per-token log-probs computed before the step's first update ([B, T] or None)."""
+    """A batch with the per-token log-probs computed before the step's first update ([B, T] or None), and, with
+    trajectories, per sequence slot what a micro-batch needs of the whole mini-batch (trajectory_totals)."""
 
     batch: TrainBatch
     old_logprobs: jax.Array | None
     ref_logprobs: jax.Array | None
+    trajectory_tokens: jax.Array | None = None
+    trajectory_log_ratio: jax.Array | None = None
+
+    def trajectories(self) -> Trajectories | None:
+        if self.batch.trajectories is None:
+            return None
+        return Trajectories(self.batch.trajectories, self.trajectory_tokens, self.trajectory_log_ratio)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
@@ -445,15 +483,32 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, loss_conf
         with jax.named_scope("loss"):
             loss, metrics = policy_loss(logprobs, old, micro.scored(micro.behaviour_logprobs), rows.ref_logprobs,
                                         micro.advantages, micro.scored(micro.loss_mask), loss_config,
-                                        entropies=entropy, sequence_ids=micro.sequence_ids())
+                                        entropies=entropy, sequence_ids=micro.sequence_ids(),
+                                        trajectories=rows.trajectories())
         return loss * weight_over_total, metrics
+
+    def with_trajectory_totals(params, rows: _Rows, frozen, parts: int) -> _Rows:
+        """A mini-batch with trajectories, with what its micro-batches need of the whole (trajectory_totals): each
+        trajectory's tokens; for GSPO over several micro-batches also its mean log-ratio under the current weights,
+        which needs a forward pass over the mini-batch first (0 with one update: the proximal policy is the current
+        one). With one micro-batch the loss sums over the whole trajectory itself."""
+        log_ratio = None
+        if loss_config.loss_type == "gspo" and parts > 1:
+            if rows.old_logprobs is None:
+                log_ratio = jnp.zeros(rows.batch.scored(rows.batch.loss_mask).shape, jnp.float32)
+            else:
+                log_ratio = forward_logprobs(graphdef, params, rows.batch, frozen) - rows.old_logprobs
+        tokens, mean_log_ratio = trajectory_totals(rows.batch, log_ratio)
+        return dataclasses.replace(rows, trajectory_tokens=tokens, trajectory_log_ratio=mean_log_ratio)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def one_update(params, opt_state, rows: _Rows, frozen, dropout_key):
         parts = num_micro(rows.batch)
+        if rows.batch.trajectories is not None:
+            rows = with_trajectory_totals(params, rows, frozen, parts)
         micros = split_rows(rows, parts)
-        weights = jax.vmap(lambda m: _aggregation_weight(m, loss_config))(micros.batch)
+        weights = jax.vmap(lambda m: _aggregation_weight(m.batch, loss_config, m.trajectories()))(micros)
         total = jnp.maximum(jnp.sum(weights), 1.0)
 
         def accumulate(grads_sum, inputs):
@@ -665,14 +720,17 @@ def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fil
 
 def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                prompt_len: int, completion_len: int, valid: np.ndarray | None = None,
-               routing: list | None = None, completion_masks: list | None = None) -> TrainBatch:
+               routing: list | None = None, completion_masks: list | None = None,
+               trajectories: np.ndarray | None = None) -> TrainBatch:
     """Lay out prompt (left-padded to prompt_len) + completion (right-padded) rows for the learner. Rows are
     sequences of token ids (arrays or lists); behaviour log-probs are cut to their completion's length.
     valid [rows] bool (None: all): False marks a row whose reward failed; it gets loss_mask 0, so it trains
     nothing and counts in no denominator or metric, exactly like a padding row. routing: per row, the experts
     of its input tokens ([prompt + completion - 1, layers, k], GroupResult.routing), or None.
     completion_masks: per row a 0/1 array of its completion's length (1: a sampled token, trained; 0: an
-    environment token, context only), or None (every completion token trained). Returns NumPy arrays."""
+    environment token, context only), or None (every completion token trained). trajectories: per row, the
+    trajectory it is a segment of (TrainBatch.trajectories; the caller keeps a trajectory's rows in one mini-batch:
+    rows r of one r % mini_batches), or None. Returns NumPy arrays."""
     try:
         prompt_ids, prompt_mask = place_rows(prompts, prompt_len, True, np.int32, pad_id)
         completion_ids, completion_mask = place_rows(completions, completion_len, False, np.int32, pad_id)
@@ -698,11 +756,16 @@ def pack_batch(prompts: list, completions: list, behaviour_logprobs: list, advan
     behaviour[:, prompt_len - 1:] = behaviour_scored
     starts = prompt_len - np.fromiter((len(p) for p in prompts), np.int64, size)
     # Host arrays: the caller places them (the trainer commits them to the learner's batch sharding).
+    if trajectories is not None:
+        trajectories = np.asarray(trajectories, np.int32)
+        if trajectories.shape != (size,):
+            raise ValueError(f"trajectories has shape {trajectories.shape}, expected ({size},): one per row")
     return TrainBatch(tokens=np.concatenate([prompt_ids, completion_ids], axis=1),
                       input_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
                       loss_mask=loss_mask, advantages=np.asarray(advantages, np.float32),
                       behaviour_logprobs=behaviour, completion_len=completion_len,
-                      routing=None if routing is None else place_routing(routing, starts, length - 1))
+                      routing=None if routing is None else place_routing(routing, starts, length - 1),
+                      trajectories=trajectories)
 
 
 def checked_masks(completion_masks: list, completions: list) -> list[np.ndarray]:
@@ -756,15 +819,17 @@ class PackedLayout:
 
 
 def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_length: int, mini_batches: int = 1,
-                first_sequence: int = 0, trained_lengths=None) -> PackedLayout:
+                first_sequence: int = 0, trained_lengths=None, trajectories=None) -> PackedLayout:
     """First-fit decreasing of a step's sequences (prompt + completion) into rows of `row_length` tokens of
     which at most `scored_length` are trained (scored) completion tokens. trained_lengths: [n] the trained tokens
     of each completion (at most its length: fewer with completion masks, whose environment tokens take room in
     the row but not in the scored budget); None: every completion token (completion_lengths).
 
-    Mini-batches stay strided by sequence: sequence i is the step's sequence first_sequence + i (this process's
-    first one is process x its sequences) and trains in mini-batch (first_sequence + i) % M, as its row would
-    in the padded layout (split_rows). Each mini-batch's sequences are packed into rows of their own, and the
+    Mini-batches stay strided by trajectory: sequence i is a segment of this process's trajectory t = trajectories[i]
+    (in [0, n); None: t = i, each sequence its own), the step's trajectory first_sequence + t (this process's first
+    one is process x its sequences), and trains in mini-batch (first_sequence + t) % M, with every other segment of
+    its trajectory (GSPO's ratio and the sequence means need them in one update), as its row would in the padded
+    layout (split_rows). Each mini-batch's sequences are packed into rows of their own, and the
     j-th row of mini-batch m is row j x M + m: with a row count that is a multiple of M (every bucket is),
     split_rows hands mini-batch m exactly its sequences. A sequence with no trained token (completion length 0:
     empty, its reward failed, or every token masked) trains nothing and is left out. Longest first (all its
@@ -786,7 +851,7 @@ def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_leng
         raise ValueError(f"sequence {int(unscorable[0])}: a completion without a prompt token")
     n = len(total)
     row, offset, slot = np.full(n, -1, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
-    mini_of = (first_sequence + np.arange(n)) % mini_batches
+    mini_of = (first_sequence + checked_trajectories(trajectories, n)) % mini_batches
     most = 0
     for m in range(mini_batches):
         members = np.flatnonzero((trained > 0) & (mini_of == m))
@@ -811,14 +876,17 @@ def pack_layout(prompt_lengths, completion_lengths, row_length: int, scored_leng
 def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, advantages: np.ndarray, pad_id: int,
                    row_length: int, scored_length: int, mini_batches: int = 1, valid: np.ndarray | None = None,
                    first_sequence: int = 0, layout: PackedLayout | None = None, rows: int | None = None,
-                   routing: list | None = None, completion_masks: list | None = None) -> TrainBatch:
+                   routing: list | None = None, completion_masks: list | None = None,
+                   trajectories: np.ndarray | None = None) -> TrainBatch:
     """Packed rows (TrainBatch's second layout) of the sequences pack_batch would lay out one per row, with the
     same arguments (prompt and completion rows, behaviour log-probs cut to their completion, advantages [n],
     valid [n], completion_masks). Positions, attention and the losses' per-sequence reductions follow each
     sequence, so the learner trains this batch as it trains pack_batch's. layout: pack_layout's (computed here
     when None, from sequence_lengths: a failed row trains nothing, a masked token takes room in its row but not
-    in the scored budget); a given layout must come from the same lengths; rows: how many rows (>= layout.rows, a
-    multiple of mini_batches; None: layout.rows), the extra ones padding. Returns NumPy arrays."""
+    in the scored budget); a given layout must come from the same lengths and trajectories; rows: how many rows
+    (>= layout.rows, a multiple of mini_batches; None: layout.rows), the extra ones padding. trajectories: [n] each
+    sequence's trajectory in this process (pack_layout's; None: each its own): the batch's trajectories are the
+    step's numbers, first_sequence + t, per slot (-1 in an empty one). Returns NumPy arrays."""
     n = len(prompts)
     if valid is not None:
         valid = np.asarray(valid, bool)
@@ -828,7 +896,7 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
     if layout is None:
         prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
         layout = pack_layout(prompt_lengths, completion_lengths, row_length, scored_length, mini_batches,
-                             first_sequence, trained_lengths=trained_lengths)
+                             first_sequence, trained_lengths=trained_lengths, trajectories=trajectories)
     rows = layout.rows if rows is None else rows
     if rows < layout.rows or rows % mini_batches:
         raise ValueError(f"{rows} packed rows: need at least {layout.rows}, a multiple of {mini_batches} mini-batches")
@@ -839,6 +907,16 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
     behaviour = np.zeros((rows, row_length - 1), np.float32)
     packed_advantages = np.zeros((rows, slots), np.float32)
     advantages = np.asarray(advantages, np.float32)
+    packed_trajectories = None
+    if trajectories is not None:
+        numbers = first_sequence + checked_trajectories(trajectories, n)
+        placed = layout.row >= 0
+        if len(set(zip(numbers[placed].tolist(), (layout.row[placed] % mini_batches).tolist()))) != len(
+                set(numbers[placed].tolist())):
+            raise ValueError(f"layout: a trajectory's sequences lie in different mini-batches of {mini_batches}; give "
+                             "pack_layout the same trajectories")
+        packed_trajectories = np.full((rows, slots), -1, np.int32)
+        packed_trajectories[layout.row[placed], layout.slot[placed]] = numbers[placed]
     for i in np.flatnonzero(layout.row >= 0):
         r, start = layout.row[i], layout.offset[i]
         prompt, completion = np.asarray(prompts[i]).reshape(-1), np.asarray(completions[i]).reshape(-1)
@@ -865,7 +943,38 @@ def pack_sequences(prompts: list, completions: list, behaviour_logprobs: list, a
             inputs = np.asarray(routing[i], np.int32)[:len(prompts[i]) + len(completions[i]) - 1]
             packed_routing[layout.row[i], layout.offset[i]:layout.offset[i] + len(inputs)] = inputs
     return TrainBatch(tokens=tokens, input_mask=labels, loss_mask=loss_mask, advantages=packed_advantages,
-                      behaviour_logprobs=behaviour, scored_positions=scored, routing=packed_routing)
+                      behaviour_logprobs=behaviour, scored_positions=scored, routing=packed_routing,
+                      trajectories=packed_trajectories)
+
+
+def checked_trajectories(trajectories, n: int) -> np.ndarray:
+    """[n] int64: each of n sequences' trajectory (None: each its own, 0 .. n-1), checked to be in [0, n) (a
+    process's trajectories are at most its sequences, so that process x sequences + t numbers them across
+    processes); ValueError naming the first that is not."""
+    if trajectories is None:
+        return np.arange(n, dtype=np.int64)
+    out = np.asarray(trajectories, np.int64).reshape(-1)
+    if out.shape != (n,):
+        raise ValueError(f"trajectories has {out.size} entries for {n} sequences: one per sequence")
+    bad = np.flatnonzero((out < 0) | (out >= n))
+    if len(bad):
+        raise ValueError(f"trajectories[{bad[0]}] = {out[bad[0]]}: each must be in 0 .. {n - 1} (the sequences)")
+    return out
+
+
+def trajectory_numbers(samples: list[np.ndarray], rows: int) -> np.ndarray:
+    """[rows] int64, one per learner sequence of a process's groups laid out group after group (samples: per group,
+    the sample each of its sequences belongs to, trainer.group_sequences'), then padding: the trajectory it belongs
+    to, numbered from 0 in order, a group's samples by their rank (an ordinary group's sequences 0, 1, ..., a segment
+    group's segments their trajectory's); each padding sequence its own. An ordinary step's numbers are its sequence
+    indices, so its mini-batches are those of one trajectory per sequence."""
+    out, start, count = np.zeros(rows, np.int64), 0, 0
+    for group_samples in samples:
+        ranks = np.unique(np.asarray(group_samples), return_inverse=True)[1].reshape(-1)
+        out[start:start + len(ranks)] = count + ranks
+        start, count = start + len(ranks), count + (ranks.max() + 1 if len(ranks) else 0)
+    out[start:] = count + np.arange(rows - start)
+    return out
 
 
 def sequence_lengths(prompts: list, completions: list, valid: np.ndarray | None = None,

@@ -26,6 +26,14 @@ either one sequence per row (`sequence_ids` None, advantages [B]: the padded lay
 (`sequence_ids` [B, T], each token's slot in [0, K) in its row, advantages [B, K]: rows packed with several
 sequences, learner.pack_sequences). A slot without tokens counts nowhere, so the two layouts of the same
 sequences give the same loss, gradient and metrics (up to float summation order).
+
+Trajectories. A multi-turn trajectory may be cut into several sequences (segments; Trajectories says which): every
+sequence-level quantity is then the trajectory's, its segments counting as one sequence of all their tokens: the
+token mean of seq_mean_token_mean divides by the trajectory's tokens, each trajectory counts once in the mean over
+sequences and in num_seqs (each segment by its share of the trajectory's tokens, so that parts of a batch add up),
+GSPO's ratio (and so its clip) is the trajectory's, and the advantage statistics weigh each trajectory once.
+Token-level quantities (token_mean, the per-token ratio, the importance weights) are unchanged, and a trajectory of
+one segment is a sequence as before.
 """
 
 from __future__ import annotations
@@ -65,14 +73,16 @@ class LossConfig:
       exceeds tis_cap; "none" ignores the behaviour log-probs. The weight is a constant (no gradient)
       and multiplies the policy term only, not the KL term.
     entropy_coef: subtracts entropy_coef * H(pi) per token, aggregated the same way (an entropy bonus, as verl's
-      entropy_coeff): H is the entropy of each next-token distribution the sampler draws from (temperature
-      and truncation included), differentiated through the current policy. It keeps a policy from collapsing
-      onto one answer before the reward tells the answers apart (a collapsed group has no advantage left to
-      learn from). 0 (the default) adds nothing and costs nothing.
-    entropy_floor: None (the default) or a number of nats: the bonus acts only on sampled tokens whose entropy is
-      below it (the bonus is on min(entropy, floor)). An unbounded bonus keeps raising the entropy wherever the
-      reward does not care (with Adam, a full step once the advantages vanish), which fills turns with junk; with
-      a floor it pushes only the positions under it, never one above it.
+      entropy_coeff): H is the entropy of each next-token distribution at the sampler's temperature, before its
+      top-k / top-p truncation (sampling.tempered_logprobs: truncated, a position whose top token holds top_p of
+      the mass has entropy 0 and no gradient, however collapsed), differentiated through the current policy. It
+      keeps a policy from collapsing onto one answer before the reward tells the answers apart (a collapsed group
+      has no advantage left to learn from). 0 (the default) adds nothing and costs nothing. The metric `entropy`
+      is the mean of the same H over the trained tokens.
+    entropy_floor: None (the default) or a number of nats: the bonus acts only on sampled tokens whose entropy (the
+      same untruncated H) is below it (the bonus is on min(entropy, floor)). An unbounded bonus keeps raising the
+      entropy wherever the reward does not care (with Adam, a full step once the advantages vanish), which fills
+      turns with junk; with a floor it pushes only the positions under it, never one above it.
     """
 
     loss_type: str = "grpo"
@@ -134,14 +144,43 @@ def kl_per_token(logprobs, ref_logprobs, estimator: str):
     raise ValueError(f"kl_estimator={estimator!r}: allowed {', '.join(KL_ESTIMATORS)}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Trajectories:
+    """Which sequences are segments of one trajectory (a multi-turn episode cut into several learner sequences): the
+    sequence-level reductions (the sequence means of the aggregations, GSPO's ratio and its clip, the advantage
+    statistics, num_seqs) count a trajectory's segments as one sequence, its tokens being all of theirs. Per sequence
+    slot, shaped as policy_loss's advantages ([B], or [B, K] with sequence_ids):
+
+    ids: int, equal for the segments of one trajectory (any values; a slot without tokens counts nowhere).
+    tokens: None, or each slot's trajectory's trained tokens over all its segments. None: counted over the slots of
+      this call, which is right only when every segment of a trajectory is in it.
+    log_ratio: None, or (GSPO) each slot's trajectory's mean log-ratio over all its tokens. None: computed from the
+      slots of this call (the same condition). The learner gives both when a trajectory's segments are spread over
+      micro-batches.
+    """
+
+    ids: jax.Array
+    tokens: jax.Array | None = None
+    log_ratio: jax.Array | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequences:
     """Which sequence each token of a [B, T] array belongs to: `ids` [B, T], a flat slot index in [0, count)
-    (row * K + the token's slot in its row), and each slot's advantage [count] (0 where given for none)."""
+    (row * K + the token's slot in its row), each slot's advantage [count] (0 where given for none), and per slot
+    (all [count]): `tokens`, its trained tokens; `lengths`, the token mean's denominator: its trajectory's trained
+    tokens (its own without Trajectories); `shares`, what it counts as in a mean over sequences: 1 for a whole
+    sequence, a segment its share of its trajectory's tokens (a trajectory's sum to 1), 0 without tokens;
+    `trajectory`, its trajectory as an index in [0, count) (None: each slot its own)."""
 
     ids: jax.Array
     count: int
     advantages: jax.Array
+    tokens: jax.Array
+    lengths: jax.Array
+    shares: jax.Array
+    trajectory: jax.Array | None = None
 
     def sum(self, x):
         """[B, T] -> [count]: each sequence's sum (a segment sum; 0 for a slot without tokens)."""
@@ -151,47 +190,78 @@ class Sequences:
         """[count] -> [B, T]: each token gets its sequence's value."""
         return per_sequence[self.ids]
 
+    def over_trajectory(self, per_sequence):
+        """[count] -> [count]: each slot gets the sum of per_sequence over its trajectory's slots (itself alone
+        without Trajectories)."""
+        if self.trajectory is None:
+            return per_sequence
+        return jax.ops.segment_sum(per_sequence, self.trajectory, self.count)[self.trajectory]
 
-def sequences_of(mask, advantages, sequence_ids=None) -> Sequences:
+    @property
+    def total(self):
+        """The number of sequences (trajectories) with a trained token, for the means over them (1 if none)."""
+        n = self.shares.sum()
+        return jnp.where(n > 0, n, 1.0)
+
+
+def sequences_of(mask, advantages, sequence_ids=None, trajectories: Trajectories | None = None,
+                 dtype=jnp.float32) -> Sequences:
     """The Sequences of a batch: one per row (sequence_ids None, advantages [B]) or K slots per row
-    (sequence_ids [B, T] int in [0, K), advantages [B, K]). Ids of masked-out tokens are never trusted: they
-    are clipped into range (their values are zeroed by the mask anyway)."""
+    (sequence_ids [B, T] int in [0, K), advantages [B, K]), optionally grouped into trajectories (Trajectories,
+    per slot as advantages). Ids of masked-out tokens are never trusted: they are clipped into range (their values
+    are zeroed by the mask anyway)."""
     b, t = mask.shape
     advantages = jnp.asarray(advantages)
     if sequence_ids is None:
         if advantages.shape != (b,):
             raise ValueError(f"advantages of shape {advantages.shape}: one per row ({b},) without sequence_ids")
-        return Sequences(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)), b, advantages)
-    if advantages.ndim != 2 or advantages.shape[0] != b:
-        raise ValueError(f"advantages of shape {advantages.shape}: [rows, slots] ({b}, K) with sequence_ids")
-    slots = advantages.shape[1]
-    ids = jnp.clip(jnp.where(jnp.asarray(mask) > 0, sequence_ids, 0), 0, slots - 1).astype(jnp.int32)
-    return Sequences(jnp.arange(b, dtype=jnp.int32)[:, None] * slots + ids, b * slots, advantages.reshape(-1))
+        ids, count = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)), b
+    else:
+        if advantages.ndim != 2 or advantages.shape[0] != b:
+            raise ValueError(f"advantages of shape {advantages.shape}: [rows, slots] ({b}, K) with sequence_ids")
+        slots = advantages.shape[1]
+        ids = jnp.clip(jnp.where(jnp.asarray(mask) > 0, sequence_ids, 0), 0, slots - 1).astype(jnp.int32)
+        ids, count = jnp.arange(b, dtype=jnp.int32)[:, None] * slots + ids, b * slots
+    tokens = jax.ops.segment_sum(jnp.asarray(mask).astype(dtype).reshape(-1), ids.reshape(-1), count)
+    if trajectories is None:
+        return Sequences(ids, count, advantages.reshape(-1), tokens, tokens, (tokens > 0).astype(dtype))
+    if jnp.shape(trajectories.ids) != advantages.shape:
+        raise ValueError(f"trajectory ids of shape {jnp.shape(trajectories.ids)}: one per sequence slot, as the "
+                         f"advantages {advantages.shape}")
+    # Dense trajectory indices: at most `count` distinct ids, so none is cut off.
+    _, trajectory = jnp.unique(jnp.asarray(trajectories.ids).reshape(-1), return_inverse=True, size=count)
+    sequences = Sequences(ids, count, advantages.reshape(-1), tokens, tokens, tokens, trajectory.reshape(-1))
+    if trajectories.tokens is None:
+        lengths = sequences.over_trajectory(tokens)
+    else:
+        lengths = jnp.asarray(trajectories.tokens, dtype).reshape(-1)
+    shares = jnp.where(tokens > 0, tokens / jnp.maximum(lengths, 1.0), 0.0)
+    return dataclasses.replace(sequences, lengths=lengths, shares=shares)
 
 
-def count_sequences(mask, advantages, sequence_ids=None):
-    """The number of sequences with at least one token under `mask` (float32 scalar)."""
-    sequences = sequences_of(mask, advantages, sequence_ids)
-    return (sequences.sum(jnp.asarray(mask, jnp.float32)) > 0).sum().astype(jnp.float32)
+def count_sequences(mask, advantages, sequence_ids=None, trajectories: Trajectories | None = None):
+    """The number of sequences with at least one token under `mask` (float32 scalar); with Trajectories, of
+    trajectories (each segment counting its share of its trajectory's tokens, so that the counts of the parts of a
+    batch add up to the whole's)."""
+    return sequences_of(mask, advantages, sequence_ids, trajectories).shares.sum().astype(jnp.float32)
 
 
 def aggregate(per_token, mask, aggregation: str, max_completion_len: int = 0, sequences: Sequences | None = None):
     """Scalar from per-token values [B, T] under a float mask [B, T]; see LossConfig.aggregation.
     Sequences with no tokens (padding rows, empty slots) count in no denominator. sequences: which sequence
-    each token belongs to (None: one per row)."""
+    each token belongs to (None: one per row), and which trajectory each sequence (a trajectory's segments are
+    one sequence: its token mean over all their tokens, counted once in the mean over sequences)."""
     x = jnp.where(mask > 0, per_token, 0.0) * mask
     if sequences is None:
-        sequences = sequences_of(mask, jnp.zeros(mask.shape[0], x.dtype))
-    tokens = sequences.sum(mask)
-    num_seqs = jnp.maximum((tokens > 0).sum(), 1)
+        sequences = sequences_of(mask, jnp.zeros(mask.shape[0], x.dtype), dtype=x.dtype)
     if aggregation == "token_mean":
         return x.sum() / jnp.maximum(mask.sum(), 1.0)
     if aggregation == "seq_mean_token_mean":
-        return (sequences.sum(x) / jnp.maximum(tokens, 1.0)).sum() / num_seqs
+        return (sequences.sum(x) / jnp.maximum(sequences.lengths, 1.0)).sum() / sequences.total
     if aggregation == "seq_mean_token_sum_norm":
         if not max_completion_len > 0:
             raise ValueError("aggregation='seq_mean_token_sum_norm' needs max_completion_len > 0")
-        return (sequences.sum(x) / max_completion_len).sum() / num_seqs
+        return (sequences.sum(x) / max_completion_len).sum() / sequences.total
     raise ValueError(f"aggregation={aggregation!r}: allowed {', '.join(AGGREGATIONS)}")
 
 
@@ -208,7 +278,7 @@ def _masked_min(x, m):
 
 
 def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advantages, mask,
-                config: LossConfig, entropies=None, sequence_ids=None):
+                config: LossConfig, entropies=None, sequence_ids=None, trajectories: Trajectories | None = None):
     """(loss scalar, metrics dict of scalars).
 
     logprobs, old_logprobs, behaviour_logprobs, ref_logprobs: [B, T] per completion token;
@@ -216,8 +286,9 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
       ref_logprobs may be None when not config.needs_reference.
     advantages: one per sequence, [B] (one sequence per row) or [B, K] (K sequence slots per row, with
     sequence_ids [B, T]: each token's slot in its row; see the module docstring). mask: [B, T] bool or
-    float. entropies: optional [B, T], required when config.entropy_coef != 0. Gradients flow through `logprobs`,
-    and through `entropies` when config.entropy_coef != 0.
+    float. entropies: optional [B, T], required when config.entropy_coef != 0. trajectories: which sequences are
+    segments of one trajectory (Trajectories; None: each its own). Gradients flow through `logprobs`, and through
+    `entropies` when config.entropy_coef != 0.
     """
     if config.off_policy != "none" and behaviour_logprobs is None:
         raise ValueError(f"off_policy={config.off_policy!r} needs behaviour_logprobs")
@@ -228,9 +299,8 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
     dtype = jnp.result_type(logprobs.dtype, jnp.float32)
     m = jnp.asarray(mask).astype(bool)
     mf = m.astype(dtype)
-    sequences = sequences_of(m, advantages, sequence_ids)
-    seq_tokens = sequences.sum(mf)
-    seq_has_tokens = seq_tokens > 0
+    sequences = sequences_of(m, advantages, sequence_ids, trajectories, dtype)
+    seq_has_tokens = sequences.tokens > 0
     # Sanitize padding before any exp: garbage there would otherwise become inf * 0 = NaN.
     logp = jnp.where(m, logprobs, 0.0).astype(dtype)
     old = jax.lax.stop_gradient(jnp.where(m, old_logprobs, 0.0).astype(dtype))
@@ -242,7 +312,11 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
         ratio = jnp.exp(log_ratio)
         lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
     elif config.loss_type == "gspo":
-        seq_log_ratio = sequences.sum(log_ratio * mf) / jnp.maximum(seq_tokens, 1.0)
+        if trajectories is not None and trajectories.log_ratio is not None:  # over segments outside this call too
+            seq_log_ratio = jnp.where(seq_has_tokens, jnp.asarray(trajectories.log_ratio, dtype).reshape(-1), 0.0)
+        else:  # per trajectory: all its tokens
+            seq_log_ratio = sequences.over_trajectory(sequences.sum(log_ratio * mf)) / jnp.maximum(sequences.lengths,
+                                                                                                  1.0)
         # GSPO-token: value is the sequence ratio s_i; the gradient reaches each token as s_i * dlogp_t.
         seq_ratio = sequences.spread(jax.lax.stop_gradient(jnp.exp(seq_log_ratio)))
         ratio = seq_ratio * jnp.exp(logp - jax.lax.stop_gradient(logp))
@@ -289,6 +363,7 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
 
     sg = jax.lax.stop_gradient
     r, a = sg(ratio), sg(adv)
+    adv_mean = jnp.sum(sequences.shares * adv_seq) / sequences.total
     metrics |= {
         "loss": sg(loss),
         "pg_loss": sg(pg_loss),
@@ -300,13 +375,13 @@ def policy_loss(logprobs, old_logprobs, behaviour_logprobs, ref_logprobs, advant
         "ratio/mean": _masked_mean(r, m),
         "ratio/max": _masked_max(r, m),
         "ratio/min": _masked_min(r, m),
-        "advantage/mean": _masked_mean(adv_seq, seq_has_tokens),
-        "advantage/std": jnp.sqrt(_masked_mean((adv_seq - _masked_mean(adv_seq, seq_has_tokens)) ** 2,
-                                               seq_has_tokens)),
+        # Over sequences, a trajectory's segments weighted by their shares of it: each trajectory once.
+        "advantage/mean": adv_mean,
+        "advantage/std": jnp.sqrt(jnp.sum(sequences.shares * (adv_seq - adv_mean) ** 2) / sequences.total),
         "advantage/min": _masked_min(adv_seq, seq_has_tokens),
         "advantage/max": _masked_max(adv_seq, seq_has_tokens),
         "num_tokens": mf.sum(),
-        "num_seqs": seq_has_tokens.sum().astype(dtype),
+        "num_seqs": sequences.shares.sum(),
     }
     if config.dual_clip is not None:
         metrics["clip/frac_dual"] = _masked_mean((a < 0) & (r > config.dual_clip), m)

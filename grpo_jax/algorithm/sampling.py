@@ -9,6 +9,9 @@ Sampling is exact inverse-CDF sampling on exp(logits - max), done hierarchically
 chunks, pick a block, then a token inside it): one exp pass plus small reductions, instead of a Gumbel draw
 per vocab entry or a full-vocab sort (both cost as much as the model on CPU). It works vocab-major (rows on
 the minor axis), the layout in which the sampler's LM head is fastest.
+
+The entropy the learner's entropy bonus acts on (tempered_logprobs' `with_entropy`) is the tempered distribution's
+before truncation, not the sampled one's (see tempered_logprobs).
 """
 
 from __future__ import annotations
@@ -152,24 +155,37 @@ def truncation_mask(logits: jax.Array, temperature: float, top_k: int, top_p: fl
 def tempered_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0, top_k: int = 0,
                       top_p: float = 1.0, with_entropy: bool = False):
     """Log-prob of each target [...] under the distribution the sampler draws from given float32 logits
-    [..., V]: softmax(logits / temperature) truncated to truncation_mask's tokens and renormalised, and
-    optionally that distribution's entropy (differentiable: the loss's entropy bonus). The target always counts
-    as kept: a token the sampler drew may fall outside the learner's set when the weights moved since (or by
-    rounding at the cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at staleness 0 it
-    is in the set anyway."""
-    scaled = logits / temperature if temperature != 1.0 else logits
-    keep = None
+    [..., V]: softmax(logits / temperature) truncated to truncation_mask's tokens and renormalised; and
+    optionally the entropy [...] of the untruncated tempered distribution softmax(logits / temperature)
+    (differentiable: the loss's entropy bonus and entropy_floor).
+
+    The entropy is taken before top-k / top-p, as verl's entropy_coeff takes it: the truncated distribution's
+    entropy is 0, and locally constant, wherever the top token alone holds top_p of the mass (or top_k is 1), so a
+    bonus on it could not pull back a position that has collapsed past the nucleus, the case the bonus is for; and
+    it would reach only the kept tokens' logits. The log-probs (the ratio, the importance weight) stay the
+    truncated distribution's: the sampler's.
+
+    The target always counts as kept: a token the sampler drew may fall outside the learner's set when the weights
+    moved since (or by rounding at the cut), and a log-prob of -inf would make its ratio 0 and its gradient NaN; at
+    staleness 0 it is in the set anyway."""
+    tempered = logits / temperature if temperature != 1.0 else logits
     if top_k or top_p < 1.0:
         is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
         keep = truncation_mask(logits, temperature, top_k, top_p) | is_target
-        scaled = jnp.where(keep, scaled, -jnp.inf)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
-    target = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
-    logprobs = target - log_norm
+        kept = jnp.where(keep, tempered, -jnp.inf)
+        logprobs = jnp.take_along_axis(kept, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(kept, axis=-1)
+        if not with_entropy:
+            return logprobs, None
+        log_norm = jax.nn.logsumexp(tempered, axis=-1)
+        entropy = log_norm - jnp.sum(jnp.exp(tempered - log_norm[..., None]) * tempered, axis=-1)
+        return logprobs, entropy
+    # Untruncated: one exp pass for the log-probs and the entropy, shifted by the top logit (no gradient through the
+    # shift: the values do not depend on it).
+    shifted = tempered - jax.lax.stop_gradient(tempered.max(axis=-1, keepdims=True))
+    weights = jnp.exp(shifted)
+    log_norm = jnp.log(jnp.sum(weights, axis=-1))
+    logprobs = jnp.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0] - log_norm
     if not with_entropy:
         return logprobs, None
-    probs = jnp.exp(scaled - log_norm[..., None])  # 0 outside the kept set
-    # Outside the kept set probs * scaled is 0 * -inf: the finite stand-in keeps the gradient free of NaN.
-    weighted = probs * (scaled if keep is None else jnp.where(keep, scaled, 0.0))
-    entropy = log_norm - jnp.sum(weighted, axis=-1)
+    entropy = log_norm - jnp.sum(weights * shifted, axis=-1) / jnp.exp(log_norm)
     return logprobs, entropy

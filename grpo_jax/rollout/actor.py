@@ -59,7 +59,7 @@ from grpo_jax.algorithm.advantages import GRPOConfig, custom_advantages, group_a
 from grpo_jax.algorithm.rewards import RewardSuite, import_factory
 from grpo_jax.data.collector import Collector, Prompt
 from grpo_jax.data.tokenizer import Tokenizer
-from grpo_jax.errors import TrainerError
+from grpo_jax.errors import TrainerError, UserError
 from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.rollout.engine import Engine, GroupResult
 from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
@@ -85,6 +85,38 @@ REWARD_ERRORS_LOGGED = 10
 REWARD_ERRORS_LOG_EVERY = 100
 # The longest reward error quoted in a drop's detail or the stop message.
 REWARD_ERROR_CHARS = 300
+
+
+# drop_reason's verdict for a group with fewer than 2 scored samples: not a ledger reason, the caller names the failure
+# (reward_error, or its episodes' commonest failure).
+TOO_FEW_SAMPLES = "too_few_samples"
+
+
+def without_signal(valid: np.ndarray, advantages: np.ndarray) -> bool:
+    """Whether a group's advantages (the ones it would train with, one per sample) give its policy term no gradient:
+    every scored sample's advantage is exactly 0. group_advantages gives exact zeros to a group whose rewards are
+    all equal; env.advantage's function decides for itself (equal values that are not 0 still move every sample's
+    likelihood, so they train)."""
+    return not np.any(np.asarray(advantages)[np.asarray(valid, bool)] != 0)
+
+
+def drop_reason(valid: np.ndarray, advantages: np.ndarray, filter_zero_variance: bool,
+                overlong: np.ndarray | None = None) -> str | None:
+    """Why a finished group of G samples is not trained, or None, decided on `advantages`, the ones it would train
+    with (group_advantages', or env.advantage's): in this order, TOO_FEW_SAMPLES (fewer than 2 scored: `valid`);
+    "reward_error" (an advantage that is not finite: rewards too large for float32); "overlong" (every sample hit
+    max_new_tokens: `overlong`, G bools, None for episodes); "zero_variance" (filter_zero_variance, and
+    without_signal). One decision for the static, streaming and episode paths."""
+    valid = np.asarray(valid, bool)
+    if valid.sum() < 2:
+        return TOO_FEW_SAMPLES
+    if not np.isfinite(advantages).all():
+        return "reward_error"
+    if overlong is not None and np.asarray(overlong, bool).all():
+        return "overlong"
+    if filter_zero_variance and without_signal(valid, advantages):
+        return "zero_variance"
+    return None
 
 
 def _one_line(text: str, limit: int = REWARD_ERROR_CHARS) -> str:
@@ -231,7 +263,8 @@ class Actor:
                 self._process(prompts)
         except BaseException as e:  # noqa: BLE001 - any failure must reach the learner, not vanish
             self.error = e
-            logger.exception("actor thread failed")
+            if not isinstance(e, UserError):  # a user's problem reaches the learner as its one line, no traceback
+                logger.exception("actor thread failed")
             self.buffer.close(error=e)
 
     # -- an actor across hosts: lockstep rounds (see the module docstring) --
@@ -457,8 +490,8 @@ class Actor:
             finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(prompts)])
 
     def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
-        """Score finished groups and put each into the buffer, or drop it with its reason. Stops the run when the
-        rewards keep failing (see _stop_if_rewards_keep_failing)."""
+        """Score finished groups and put each into the buffer, or drop it with its reason (drop_reason). Stops the run
+        when the rewards keep failing (see _stop_if_rewards_keep_failing)."""
         cfg = self.grpo
         g = cfg.group_size
         lengths = [len(t) for r in results for t in r.tokens]
@@ -471,20 +504,15 @@ class Actor:
         rewards = scored.rewards.reshape(len(prompts), g)
         valid = ~scored.failed.reshape(len(prompts), g)
         overlong = np.array([[reason == "length" for reason in r.finish_reasons] for r in results])
-        advantages, zero_var = self._group_advantages(rewards, valid)
+        advantages, _ = self._group_advantages(rewards, valid)
         for i, (prompt, result) in enumerate(zip(prompts, results)):
-            reason = detail = None
-            if valid[i].sum() < 2:
+            reason, detail = drop_reason(valid[i], advantages[i], cfg.filter_zero_variance, overlong[i]), None
+            if reason == TOO_FEW_SAMPLES:
                 reason, detail = "reward_error", self._reward_error_detail(scored, slice(i * g, (i + 1) * g))
-            elif not np.isfinite(advantages[i]).all():
+            elif reason == "reward_error":
                 # Each reward fits float32 (RewardSuite checks), but the group's mean or spread does not.
-                reason = "reward_error"
                 detail = (f"the group's rewards ({rewards[i][valid[i]].min():.3g} .. {rewards[i][valid[i]].max():.3g}) "
                           "are too large for float32 advantages")
-            elif overlong[i].all():
-                reason = "overlong"
-            elif cfg.filter_zero_variance and zero_var[i]:
-                reason = "zero_variance"
             self._count_reward_errors(reason == "reward_error", detail)
             if reason:
                 self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
@@ -497,7 +525,7 @@ class Actor:
                 rewards=rewards[i].astype(np.float32), weight_version=result.oldest_version,
                 regenerations=int(prompt.record.get("regenerations", 0)),
                 extras={"advantages": advantages[i].astype(np.float32), "valid": valid[i],
-                        "zero_variance": bool(zero_var[i]), "token_versions": result.versions,
+                        "zero_variance": without_signal(valid[i], advantages[i]), "token_versions": result.versions,
                         **({} if result.routing is None else {"routing": result.routing})})
             self.collector.mark_finished(prompt.ordinal)
             self.buffer.put(group)
@@ -530,38 +558,39 @@ class Actor:
 
     def _finish_episodes(self, prompts: list[Prompt], results: list[EpisodeResult]) -> None:
         """Put each prompt's G episodes into the buffer as one group, or drop it: fewer than 2 episodes that
-        did not fail (the commonest failure is the reason), env.advantage failing on it (reward_error), advantages
-        that do not fit float32, zero variance."""
+        did not fail (the commonest failure is the reason), env.advantage failing on it (reward_error), then
+        drop_reason on the advantages it would train with (env.advantage's when set): advantages that do not fit
+        float32, zero variance (every advantage 0)."""
         g = self.grpo.group_size
         episodes = [results[i * g:(i + 1) * g] for i in range(len(prompts))]
         valid = np.array([[e.failure is None for e in eps] for eps in episodes])
         rewards = np.array([[e.reward if e.failure is None else 0.0 for e in eps] for eps in episodes], np.float32)
-        advantages, zero_var = self._group_advantages(rewards, valid)
+        advantages, _ = self._group_advantages(rewards, valid)
         for i, (prompt, eps) in enumerate(zip(prompts, episodes)):
             self.generated_tokens += sum(sum(sum(s.loss_mask) for s in e.trajectory.segments)
                                          for e in eps if e.trajectory is not None)
             failed = [e for e in eps if e.failure is not None]
             self.env_failures.update(e.failure for e in failed)
-            reason = detail = None
             steps = step_rewards(eps, self.sampler.config.max_turns)
-            if valid[i].sum() < 2:
+            # env.advantage replaces the group-relative advantages before anything is decided on them.
+            detail = None
+            if valid[i].sum() >= 2 and self.custom_advantage is not None:
+                detail = self._custom_advantages(i, advantages, rewards, steps, valid)
+            reason = "reward_error" if detail else drop_reason(valid[i], advantages[i], self.grpo.filter_zero_variance)
+            if reason == TOO_FEW_SAMPLES:
                 reason = collections.Counter(e.failure for e in failed).most_common(1)[0][0]
                 detail = _one_line(f"{len(failed)} of {g} episodes failed; first: {failed[0].failure}: "
                                    f"{failed[0].detail}")
-            elif self.custom_advantage is not None and (detail := self._custom_advantages(i, advantages, rewards,
-                                                                                           steps, valid)):
-                reason = "reward_error"
-            elif not np.isfinite(advantages[i]).all():
-                reason, detail = "reward_error", "the group's rewards are too large for float32 advantages"
-            elif self.grpo.filter_zero_variance and zero_var[i]:
-                reason = "zero_variance"
+            elif reason == "reward_error" and not detail:
+                detail = "the group's rewards are too large for float32 advantages"
             self._count_reward_errors(reason in (*ENV_FAILURES, "reward_error"), detail)
             if reason:
                 self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
                 self.buffer.release(1)
                 continue
             self.collector.mark_finished(prompt.ordinal)
-            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i], bool(zero_var[i]), steps))
+            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i],
+                                          without_signal(valid[i], advantages[i]), steps))
         self._stop_if_rewards_keep_failing()
 
     def _custom_advantages(self, i: int, advantages: np.ndarray, rewards: np.ndarray, steps: np.ndarray,

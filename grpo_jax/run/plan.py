@@ -250,6 +250,13 @@ class RunPlan:
         return 1 if env is None else max(1, int(env.max_turns))
 
     @property
+    def trains_segments(self) -> bool:
+        """Whether a sample's trajectory may be cut into several learner sequences (a multi-turn environment,
+        config.env), so that the learner batch says which sequences are one trajectory (TrainBatch.trajectories,
+        one per packed sequence slot)."""
+        return self.config.env is not None
+
+    @property
     def packed_row_sizes(self) -> tuple[int, ...]:
         """The packed row counts (per process) a run may use, smallest first: the largest holds the worst case,
         every sequence alone in a row (with an environment, sequences_per_sample of them per sample)."""
@@ -376,11 +383,13 @@ class RunPlan:
         model = self.model
         routing = sds((rows, length - 1, *model.routing_shape), jnp.int32) if model.replays_routing else None
         if self.packing:
+            trajectories = sds((rows, length // 2), jnp.int32) if self.trains_segments else None
             return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.int32),
                               loss_mask=sds((rows, length - 1), jnp.float32),
                               advantages=sds((rows, length // 2), jnp.float32),
                               behaviour_logprobs=sds((rows, length - 1), jnp.float32),
-                              scored_positions=sds((rows, self.completion_bucket), jnp.int32), routing=routing)
+                              scored_positions=sds((rows, self.completion_bucket), jnp.int32), routing=routing,
+                              trajectories=trajectories)
         return TrainBatch(tokens=sds((rows, length), jnp.int32), input_mask=sds((rows, length), jnp.bool_),
                           loss_mask=sds((rows, length - 1), jnp.float32), advantages=sds((rows,), jnp.float32),
                           behaviour_logprobs=sds((rows, length - 1), jnp.float32),

@@ -49,6 +49,7 @@ from grpo_jax.algorithm.learner import (
     pack_sequences,
     padding_fraction,
     sequence_lengths,
+    trajectory_numbers,
 )
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
@@ -70,7 +71,7 @@ from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_reco
 from grpo_jax.run.metrics import MetricsWriter
 from grpo_jax.run.plan import RunPlan
 from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
-from grpo_jax.state.ledger import Ledger, global_ordinal, ledger_file
+from grpo_jax.state.ledger import Ledger, LedgerDamaged, check_covered, global_ordinal, ledger_file
 from grpo_jax.state.replay_buffer import (
     SEGMENT_MASKS,
     SEGMENT_PROMPTS,
@@ -384,7 +385,6 @@ class Trainer:
         self.run_lock = RunDirLock(self.run_dir, self.process_index)
         self.run_lock.acquire()
         if self.process_index == 0:
-            save_config(config, self.run_dir / "config.yaml")
             for warning in config.warnings():
                 logger.warning("config: %s", warning)
         self.tokenizer = load_tokenizer(config.tokenizer, config.model_path)
@@ -431,6 +431,7 @@ class Trainer:
         self.prompt_bucket, self.completion_bucket = plan.prompt_bucket, plan.completion_bucket
         self.buffer_capacity = plan.buffer_capacity
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
+        self.run_lock.watch(self.checkpoints.directory)  # deleted under the run: _train_loop saves again and stops
         self.resumed_from: int | None = None
         restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable,
                                                 open_own_state=self._open_own_state, agree=self.agreement.gather)
@@ -453,6 +454,8 @@ class Trainer:
             self._start_fresh()
         else:
             self._resume(restored)
+        if self.process_index == 0:  # only now: a start refused above leaves the run directory as it was
+            save_config(config, self.run_dir / "config.yaml")
 
         self.actor_shardings = self.plan.actor_shardings(self.learner.params)
         actor_model = nnx.merge(self.learner.graphdef, weights_copy(self.learner.params, self.actor_shardings,
@@ -652,6 +655,20 @@ class Trainer:
         if "frontier_ordinal" not in saved_collector:
             self._resume_without_ordinals(step, saved_collector)
             return
+        # The ledger must hold the line the checkpoint covers (deleted or cut back, resuming would leave the
+        # prompts trained before it unaccounted for): every process looks at its own before any writes to it.
+        try:
+            check_covered(self.run_dir, step, saved_collector["ledger_covers"], self.process_index, self.processes)
+            damaged = None
+        except LedgerDamaged as e:
+            damaged = e
+        elsewhere = self.agreement.gather([damaged is not None])[:, 0]
+        if damaged is not None:
+            raise damaged
+        if elsewhere.any():
+            raise LedgerDamaged(f"process {int(np.argmax(elsewhere))}'s prompt ledger does not hold the line that "
+                                f"checkpoint step {step} covers (its own message names the file), so no process "
+                                f"resumes; nothing in {self.run_dir} was changed")
         self.ledger = self._new_ledger(resumed_from={"step": step, **saved_collector["ledger_covers"]})
         if self.config.checkpoint.load_replay_buffer:
             grpo = self.config.grpo
@@ -988,15 +1005,18 @@ class Trainer:
             save_seconds = 0.0
             # Every process must take the same decisions (a save is collective): agree on any's wish, and
             # act on the agreed values only; a signal that arrives after this gather counts at the next step.
-            stop, due, lock_lost = self.agreement.gather([self.stop_signals.received is not None,
-                                                          self.checkpoints.due(self.version),
-                                                          self.run_lock.lost.is_set()]).any(axis=0)
-            # Another start took a process's run lock (run_lock.py): every process stops before saving.
+            stop, due, lock_lost, moved = self.agreement.gather([self.stop_signals.received is not None,
+                                                                 self.checkpoints.due(self.version),
+                                                                 self.run_lock.is_lost(),
+                                                                 bool(self.run_lock.moved())]).any(axis=0)
+            # Another start took a process's run lock, or its lock or flock file was deleted (run_lock.py): every
+            # process stops before saving.
             self.run_lock.check(lost_elsewhere=bool(lock_lost))
             if stop and self.stop_signals.received is None:
                 self.stop_signals.stop()  # another process was signalled: stop here with it
             self.preempted = bool(stop)
-            if due and not stop:
+            # moved: checkpoints/ was deleted under the run, and its steps with it: save this step again, then stop.
+            if (due and not stop) or moved:
                 save_start = time.perf_counter()
                 self.save_checkpoint()
                 save_seconds = time.perf_counter() - save_start
@@ -1012,6 +1032,13 @@ class Trainer:
                     self.evaluation.request(self.version)
                 self._write_evaluations(writer)
             history.append(metrics)
+            if moved:
+                self._record_commits(self.checkpoints.wait())
+                raise RunDirError(
+                    f"the checkpoint directory {self.checkpoints.directory} was deleted or replaced while this run "
+                    "saved into it (by hand, or by a program the run started?), and the steps it held with it; this "
+                    f"run saved step {self.version} there again and stops: find what removed it, then run the same "
+                    f"command to resume from step {self.version}")
             if stop:
                 break
         return history
@@ -1034,8 +1061,11 @@ class Trainer:
         """This process's part of a step's learner batch (NumPy), and its padding metrics.
 
         Its sequences are the groups' rows (group_rows), then empty ones up to a whole step (the last step of
-        a finite dataset), sequence i being the step's sequence P x rows + i (rows: local prompts x group size,
-        the mini-batch phase; segment groups may make more sequences than that). Segment groups (multi-turn
+        a finite dataset), sequence i being a segment of the step's trajectory P x rows + t (rows: local prompts x
+        group size, the mini-batch phase; t: learner.trajectory_numbers, i itself unless segment groups cut a
+        trajectory into several sequences), which sets its mini-batch. With RunPlan.trains_segments the batch says
+        which sequences are one trajectory (TrainBatch.trajectories: one sequence for the losses' sequence
+        means and GSPO's ratio). Segment groups (multi-turn
         environments) carry completion masks (only sampled tokens train) and need optim.packing (TrainerError
         otherwise): their sequences vary in number and length beyond the padded layout's. optim.packing: packed rows
         (learner.pack_sequences), every process the same number of them (the most any needs, agreed, rounded up
@@ -1067,16 +1097,19 @@ class Trainer:
                                "only with sampler.engine=continuous); set model.routing_replay=false")
         prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
         trained_tokens = int((prompt_lengths + completion_lengths)[trained_lengths > 0].sum())
+        trajectories = trajectory_numbers([group_sequences(grp, g)[1] for grp in groups], len(prompts))
         if plan.packing:
             layout = pack_layout(prompt_lengths, completion_lengths, length, self.completion_bucket,
                                  self.config.optim.mini_batches, first_sequence=self.process_index * full,
-                                 trained_lengths=trained_lengths)
+                                 trained_lengths=trained_lengths, trajectories=trajectories)
             # Every process feeds the same number of rows: the most any needs (gathers run in the same order
             # everywhere: every process learns every step).
             rows = plan.packed_rows(int(self.agreement.gather([layout.rows]).max()))
             batch = pack_sequences(prompts, completions, logprobs, advantages, self.tokenizer.pad_id, length,
-                                   self.completion_bucket, self.config.optim.mini_batches, layout=layout, rows=rows,
-                                   routing=routing, completion_masks=masks)
+                                   self.completion_bucket, self.config.optim.mini_batches,
+                                   first_sequence=self.process_index * full, layout=layout, rows=rows,
+                                   routing=routing, completion_masks=masks,
+                                   trajectories=trajectories if plan.trains_segments else None)
         else:
             rows = full
             batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
@@ -1140,18 +1173,20 @@ class Trainer:
 
     def _groups_trained(self, groups: list[Group], applied: np.ndarray) -> list[bool]:
         """Per group of this process: whether at least one update over its rows was applied. Row (sequence) r of
-        this process (group_rows' order: a group's group_sequences, group after group) is the step's sequence
-        P * rows_per_process + r, in mini-batch (P * rows_per_process + r) % mini_batches in either layout
-        (packed rows keep it: learner.pack_layout); update u trains mini-batch u % mini_batches."""
+        this process (group_rows' order: a group's group_sequences, group after group) is a segment of the step's
+        trajectory P * rows_per_process + t (t: learner.trajectory_numbers; r itself for an ordinary group), in
+        mini-batch (P * rows_per_process + t) % mini_batches in either layout (packed rows keep it:
+        learner.pack_layout); update u trains mini-batch u % mini_batches."""
         mini_batches, g = self.config.optim.mini_batches, self.config.grpo.group_size
         applied_minis = {u % mini_batches for u in np.flatnonzero(applied)}
         first_row = self.process_index * self.local_prompts * g
+        samples = [group_sequences(group, g)[1] for group in groups]
+        numbers = trajectory_numbers(samples, sum(len(s) for s in samples))
         trained, start = [], 0
-        for group in groups:
-            count = len(group_sequences(group, g)[0])
-            trained.append(any(mini_batch_of_row(first_row + row, mini_batches) in applied_minis
-                               for row in range(start, start + count)))
-            start += count
+        for group_samples in samples:
+            trained.append(any(mini_batch_of_row(first_row + int(t), mini_batches) in applied_minis
+                               for t in numbers[start:start + len(group_samples)]))
+            start += len(group_samples)
         return trained
 
     def _account_leftovers(self) -> None:

@@ -1,0 +1,150 @@
+"""Which finished groups the actor trains and which it drops (rollout.actor.drop_reason, shared by the static and
+streaming path, Actor._finish, and the episodes' path, Actor._finish_episodes): the decision is taken on the
+advantages the group would train with (group_advantages', or env.advantage's), so with grpo.filter_zero_variance a
+group is dropped as zero_variance exactly when every scored sample's advantage is 0: its policy term has no gradient.
+Driven on an Actor without a model (its device-free attributes set by hand)."""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+
+from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
+from grpo_jax.algorithm.rewards import RewardResult
+from grpo_jax.envs.trajectory import Segment
+from grpo_jax.rollout.actor import TOO_FEW_SAMPLES, Actor, drop_reason, without_signal
+from grpo_jax.rollout.common import GroupResult
+from grpo_jax.rollout.episodes import EpisodeResult
+
+G = 4
+
+
+def turn_penalised(rewards, step_rewards, valid):
+    """docs/environments.md's example: reward() less 0.05 per rewarded step, then group-relative."""
+    score = rewards - 0.05 * np.isfinite(step_rewards).sum(axis=1)
+    return (score - np.nanmean(score)) / (np.nanstd(score) + 1e-6)
+
+
+class Ledger:
+    """The collector and buffer the actor reports to: what happened to each ordinal."""
+
+    def __init__(self):
+        self.outcomes, self.groups = {}, {}
+
+    def mark_dropped(self, ordinal, reason, detail=None):
+        self.outcomes[ordinal] = reason
+
+    def mark_finished(self, ordinal):
+        self.outcomes[ordinal] = "finished"
+
+    def put(self, group):
+        self.groups[group.ordinal] = group
+
+    def release(self, n):
+        pass
+
+
+def bare_actor(filter_zero_variance: bool, custom_advantage=None) -> tuple[Actor, Ledger]:
+    """An Actor with only what _finish and _finish_episodes read: configs, collector, buffer, counters, and
+    group_advantages at the actor's own settings (the jitted padded-block version is a device detail)."""
+    ledger = Ledger()
+    actor = object.__new__(Actor)
+    actor.grpo = GRPOConfig(group_size=G, filter_zero_variance=filter_zero_variance)
+    actor.limits = types.SimpleNamespace(reward_error_handouts=0)
+    actor.collector = actor.buffer = ledger
+    actor.custom_advantage = custom_advantage
+    actor.sampler = types.SimpleNamespace(config=types.SimpleNamespace(max_turns=3, advantage="tests:custom"))
+    actor.env_failures = collections.Counter()
+    actor.generated_tokens = actor.failed_samples = actor.reward_error_calls = actor.reward_error_streak = 0
+    actor.last_reward_error = None
+    actor._group_advantages = lambda r, v: tuple(np.array(x) for x in group_advantages(r, v))
+    return actor, ledger
+
+
+def episode(reward: float, steps: int) -> EpisodeResult:
+    """A finished episode of one segment: 3 prompt tokens, 2 sampled, `steps` rewarded steps."""
+    segment = Segment(tokens=(1, 2, 3, 4, 5), loss_mask=(0, 0, 0, 1, 1), behaviour_logprobs=(0, 0, 0, -1.0, -1.0),
+                      weight_versions=(-1, -1, -1, 0, 0))
+    trajectory = types.SimpleNamespace(segments=(segment,), turns=steps, tool_calls=0, tool_errors=0,
+                                       truncated=False)
+    return EpisodeResult(trajectory=trajectory, reward=reward, step_rewards=[0.0] * steps)
+
+
+PROMPT = types.SimpleNamespace(ordinal=7, record={"row": {}, "prompt_ids": [1, 2]})
+
+
+def finish_episodes(custom, rewards, steps=(1, 1, 1, 1), filter_zero_variance=True):
+    actor, ledger = bare_actor(filter_zero_variance, custom)
+    Actor._finish_episodes(actor, [PROMPT], [episode(r, k) for r, k in zip(rewards, steps)])
+    return ledger.outcomes[PROMPT.ordinal], ledger.groups.get(PROMPT.ordinal)
+
+
+def test_custom_advantages_that_differ_are_trained_although_the_rewards_are_equal():
+    """The docs' turn-penalised example on four right answers in 1, 2, 3 and 3 steps: equal reward() values, and
+    advantages [1.51, 0.30, -0.91, -0.91] (it was dropped as zero_variance on the equal rewards)."""
+    outcome, group = finish_episodes(turn_penalised, [1.0] * G, steps=(1, 2, 3, 3))
+    assert outcome == "finished"
+    np.testing.assert_allclose(group.extras["advantages"], [1.508, 0.302, -0.905, -0.905], atol=1e-3)
+    assert group.extras["zero_variance"] is False
+
+
+def test_custom_advantages_all_zero_are_dropped_and_all_equal_but_not_zero_are_trained():
+    outcome, _ = finish_episodes(lambda rewards, step_rewards, valid: np.zeros(G), [0.0, 1.0, 0.5, 1.0])
+    assert outcome == "zero_variance"  # rewards that differ do not save a group its function gave no signal
+    # The same advantage for every episode still moves the policy (each sample's likelihood by the same weight):
+    # the function's signal, trained.
+    outcome, group = finish_episodes(lambda rewards, step_rewards, valid: np.full(G, 0.5), [1.0] * G)
+    assert outcome == "finished" and group.extras["zero_variance"] is False
+    # ... and without the filter a group of zero advantages trains, flagged for the metrics.
+    outcome, group = finish_episodes(lambda rewards, step_rewards, valid: np.zeros(G), [1.0] * G,
+                                     filter_zero_variance=False)
+    assert outcome == "finished" and group.extras["zero_variance"] is True
+
+
+def test_without_a_custom_advantage_equal_rewards_still_drop_and_differing_ones_train():
+    assert finish_episodes(None, [1.0] * G)[0] == "zero_variance"
+    outcome, group = finish_episodes(None, [1.0, 0.0, 1.0, 0.0])
+    assert outcome == "finished" and group.extras["zero_variance"] is False
+
+
+def static_finish(rewards, finish_reasons=("stop",) * G, filter_zero_variance=True, failed=(False,) * G):
+    """Actor._finish (the static and streaming paths) on one group whose reward suite scored `rewards`."""
+    actor, ledger = bare_actor(filter_zero_variance)
+    actor.tokenizer = types.SimpleNamespace(decode=lambda tokens: "text")
+    scored = RewardResult(rewards=np.asarray(rewards, np.float32), failed=np.asarray(failed),
+                          per_function={"r": np.where(failed, np.nan, rewards)}, errors=[],
+                          function_errors={"r": "boom"} if any(failed) else {})
+    actor.rewards = types.SimpleNamespace(score=lambda records, texts, lengths: scored)
+    result = GroupResult(tag=PROMPT, tokens=[np.array([5, 6], np.int32)] * G, logprobs=[np.zeros(2, np.float32)] * G,
+                         versions=[np.zeros(2, np.int32)] * G, finish_reasons=list(finish_reasons))
+    Actor._finish(actor, [PROMPT], [result])
+    return ledger.outcomes[PROMPT.ordinal], ledger.groups.get(PROMPT.ordinal)
+
+
+def test_the_static_path_takes_the_same_decisions():
+    assert static_finish([1.0] * G)[0] == "zero_variance"
+    outcome, group = static_finish([1.0] * G, filter_zero_variance=False)
+    assert outcome == "finished" and group.extras["zero_variance"] is True
+    assert static_finish([1.0, 0.0, 0.0, 0.0])[0] == "finished"
+    assert static_finish([1.0, 0.0, 0.0, 0.0], finish_reasons=("length",) * G)[0] == "overlong"
+    assert static_finish([1.0, 0.0, 0.0, 0.0], failed=(True, True, True, False))[0] == "reward_error"
+
+
+@pytest.mark.parametrize("valid, advantages, overlong, expected", [
+    ([1, 1, 0, 0], [1.0, -1.0, 0.0, 0.0], None, None),
+    ([1, 0, 0, 0], [0.0, 0.0, 0.0, 0.0], None, TOO_FEW_SAMPLES),
+    ([1, 1, 1, 1], [np.inf, 0.0, 0.0, 0.0], None, "reward_error"),
+    ([1, 1, 1, 1], [1.0, -1.0, 0.0, 0.0], [1, 1, 1, 1], "overlong"),
+    ([1, 1, 1, 1], [1.0, -1.0, 0.0, 0.0], [1, 1, 1, 0], None),
+    ([1, 1, 1, 1], [0.0, 0.0, 0.0, 0.0], None, "zero_variance"),
+    ([1, 1, 1, 0], [0.0, 0.0, 0.0, 3.0], None, "zero_variance"),  # a failed sample's value is never trained
+    ([1, 1, 1, 1], [0.5, 0.5, 0.5, 0.5], None, None),
+    ([1, 1, 1, 1], [0.0, 0.0, 0.0, 1e-30], None, None),  # exactly: a tiny advantage is still a gradient
+])
+def test_drop_reason(valid, advantages, overlong, expected):
+    valid, advantages = np.asarray(valid, bool), np.asarray(advantages, np.float32)
+    overlong = None if overlong is None else np.asarray(overlong, bool)
+    assert drop_reason(valid, advantages, True, overlong) == expected
+    if expected == "zero_variance":
+        assert without_signal(valid, advantages) and drop_reason(valid, advantages, False, overlong) is None
