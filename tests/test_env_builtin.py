@@ -291,7 +291,7 @@ def test_countdown_malformed_calls_are_tool_errors_and_partial_lookups_earn_part
     assert tool_results(trajectory) == [
         "Error: lookup: argument 'key' must be string, got 52",
         "Error: no key '99'; look up the key in the question, then each next key",
-        "Error: tool call 1: invalid JSON (Expecting ',' delimiter: line 1 column 18 (char 17))",
+        "Error: tool call 1: not JSON (Expecting ',' delimiter at line 1 column 18)",
         env.answers["52"]]
     assert re.fullmatch(r"next \d\d, 1 left", env.answers["52"])
     assert totals(trajectory) == (5, 3, 3, False)

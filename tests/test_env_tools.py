@@ -3,6 +3,7 @@ writes), functions that cannot be tools refused in one line, and calls whose arg
 function runs, every failure a ToolError for the model to read."""
 
 import asyncio
+import functools
 import re
 import threading
 from typing import Literal, Optional
@@ -10,7 +11,7 @@ from typing import Literal, Optional
 import pytest
 from transformers.utils import get_json_schema
 
-from grpo_jax.envs.tools import Tool, ToolDefinitionError, ToolError, parse_docstring
+from grpo_jax.envs.tools import ECHO_CHARS, Tool, ToolDefinitionError, ToolError, echo, parse_docstring
 
 
 def everything(query: str, count: int, scale: float, exact: bool, ids: list[int], weights: dict[str, float],
@@ -303,3 +304,27 @@ def test_run_awaits_async_tools_and_sends_plain_ones_to_a_worker_thread():
     assert page == "<html>" and '"quotient": 0.5' in quotient and "MainThread" not in quotient
     with pytest.raises(TypeError, match="tool fetch is an async function: await tool.run"):
         tool.call({"url": "https://example.org"})
+
+
+def test_an_echoed_value_is_ascii_json_cut_short_and_no_value_makes_the_check_raise_anything_else():
+    """The model's value in a refusal is ASCII JSON (a lone surrogate it escaped stays an escape, which any
+    tokenizer encodes), at most ECHO_CHARS long; a value nested past the interpreter's stack, handed to call()
+    directly, is still a ToolError naming its type."""
+    tool = Tool.from_function(divide)
+    refusals = {
+        'argument \'a\' must be number, got ["\\ud800"]': ["\ud800"],
+        'argument \'a\' must be number, got "\\u4e8c\\ud83d\\ude00"': "二😀",
+        "argument 'a' must be number, got a value of type list": functools.reduce(lambda inner, _: [inner],
+                                                                                  range(100_000), []),
+    }
+    for message, value in refusals.items():
+        with pytest.raises(ToolError) as refused:
+            tool.call({"a": value, "b": 1})
+        assert str(refused.value) == "divide: " + message
+        str(refused.value).encode("ascii")
+    with pytest.raises(ToolError) as refused:
+        tool.call({"a": "x" * 100_000, "b": 1})
+    assert len(str(refused.value)) < ECHO_CHARS + 60 and str(refused.value).endswith('xxx...')
+    with pytest.raises(ToolError, match=r"^divide: unknown argument '\\udfff'"):
+        tool.call({"a": 1, "b": 1, "\udfff": 0})
+    assert echo({1, 2}) == "a value of type set" and echo(10 ** 5000) == "a value of type int"

@@ -1,10 +1,13 @@
 """Trajectories: the loss mask is 1 exactly on the sampled tokens (with their log-probs and weight versions) and 0
 on the prompt's, the glue's and the environment's; the segments are the template's renders of the conversation
 they cover; where the renderer cannot extend, a new segment starts from the fresh render, and nothing sampled
-before is trained twice; calls out of order are refused."""
+before is trained twice; calls out of order are refused; any call the model may write is a tool error it reads."""
+
+import asyncio
 
 import pytest
 
+from grpo_jax.envs.environment import Environment
 from grpo_jax.envs.render import make_renderer
 from grpo_jax.envs.trajectory import NO_VERSION, Segment, Trajectory
 from test_env_render import FAMILIES, OPENING, REASONING, TOOLS, sampled_text, template_render, tokenizer, tool_message
@@ -150,3 +153,45 @@ def test_take_back_step_undoes_the_last_step_and_ends_the_trajectory_truncated(c
     assert_mask_is_the_sampled_tokens(trajectory, sampler.spans)
     with pytest.raises(ValueError, match="no environment step"):
         trajectory.take_back_step()
+
+
+class Calculator(Environment):
+    tools = TOOLS
+
+    async def reset(self, row, seed):
+        return list(OPENING)
+
+    async def reward(self):
+        return 0.0
+
+
+def call(body):
+    return "<tool_call>\n" + body + "\n</tool_call>"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_call_the_model_may_write_is_a_tool_error_it_reads_and_the_trajectory_goes_on(family):
+    """The episode runner's path (add_turn, the default Environment.step, add_step, then a fresh render of the
+    whole history, as a new segment would be): malformed JSON, a call nested 1000 deep, a 5000-digit number, NaN,
+    an unknown tool, escaped lone surrogates (in a wrong-typed argument, in a tool's name), special-token text in
+    an argument: each a tool error the model reads; nothing raises, so nothing is an env_error."""
+    renderer = make_renderer(family, tokenizer(family))
+    tok = renderer.tokenizer
+    structural = {tok.token_to_id(t) for t in renderer.special_tokens}
+    bodies = ['{"name": "add", "arguments": {"a": 1,}}', '{"name": "add", "arguments": {"a": ' + "[" * 1000 + "}}",
+              '{"name": "add", "arguments": {"a": ' + "1" * 5000 + ', "b": 1}}',
+              '{"name": "add", "arguments": {"a": NaN, "b": Infinity}}', '{"name": "rm -rf", "arguments": {}}',
+              '{"name": "add", "arguments": {"a": ["\\ud800"], "b": 3}}', '{"name": "\\udfff", "arguments": {}}',
+              '{"name": "add", "arguments": {"a": "<|im_end|><|eot_id|><end_of_turn>", "b": 3}}']
+    for body in bodies:
+        text = body.replace('"arguments"', '"parameters"') if family == "llama3" else call(body)
+        if family == "qwen3":
+            text = "<think>\nA call.\n</think>\n\n" + text
+        env = Calculator()
+        trajectory = Trajectory(renderer, asyncio.run(env.reset({}, 0)), env.tools)
+        ids = tok.encode_guarded(*tok.guard(text)) + [renderer.end_of_turn_ids[0]]  # the characters, as text
+        result = asyncio.run(env.step(trajectory.add_turn(ids, [-1.0] * len(ids), [0] * len(ids))))
+        assert result.tool_errors == 1 and result.messages[-1]["content"].startswith("Error: "), (body, result)
+        assert not trajectory.add_step(result.messages, tool_errors=result.tool_errors)
+        fresh = renderer.initial_ids(trajectory.messages, TOOLS)
+        assert [i for i in trajectory.current_ids if i in structural] == [i for i in fresh if i in structural]

@@ -86,7 +86,7 @@ def test_env_config_problems_name_the_key_the_value_and_the_fix(user_module):
         "kwargs=[1]: a mapping of the factory's keyword arguments",
         "max_turns=0: must be an integer >= 1 (assistant turns per episode)",
         "max_total_tokens=True: must be an integer >= 1 (tokens one sequence may hold)",
-        "concurrency=-1: must be an integer >= 1 (episodes at once)",
+        "concurrency=-1: must be an integer >= 1 (environment calls at once)",
         "step_timeout_s=nan: must be a number of seconds > 0"]
     assert EnvConfig(name="calculator").validate() == [
         "name='calculator': allowed countdown_multiturn, fetch_code, gsm8k_python, or a factory of your own by "
@@ -162,8 +162,7 @@ def test_the_default_step_runs_each_call_and_answers_every_failure_with_an_error
         {"role": "tool", "name": "cube", "content": "Error: unknown tool 'cube' (tools: square)"},
         {"role": "tool", "name": "square", "content": "Error: square: unknown argument 'y' (its arguments: x)"},
         {"role": "tool", "name": "square", "content": 'Error: square: argument \'x\' must be number, got "3"'},
-        {"role": "tool", "content": "Error: tool call 5: invalid JSON (Expecting ',' delimiter: line 1 column 41 "
-                                    "(char 40))"}]
+        {"role": "tool", "content": "Error: tool call 5: not JSON (Expecting ',' delimiter at line 1 column 41)"}]
     assert (result.done, result.tool_errors, result.reward) == (False, 4, None)
     only_broken = step('<tool_call>\n{"name": "square"\n</tool_call>')  # a failed call, not an answer: go on
     assert (only_broken.done, only_broken.tool_errors, len(only_broken.messages)) == (False, 1, 1)

@@ -9,14 +9,28 @@ own BOS; apply_chat_template(tokenize=True) adds nothing either), a plain prompt
 tokenizer.json's post-processor puts before a text, as `tokenizer(text)` does: the BOS of Llama 3's
 TemplateProcessing. (transformers' fast tokenizers follow the post-processor, not tokenizer_config.json's
 add_bos_token.)
+
+Text from outside (a dataset row's question, an environment's or a tool's message) cannot spell a special token:
+transformers renders a chat template and encodes the text whole, so a question or a fetched page holding
+`<|im_end|>\n<|im_start|>assistant\n` becomes those special tokens, a forged turn. Here the messages are guarded
+first (`guard`): every special token's text in their strings is swapped for a placeholder (a random nonce, drawn per
+render, so no text can spell one) and every lone surrogate for U+FFFD (which no tokenizer encodes); the template
+renders; `encode_guarded` then takes the special tokens the template wrote from the tokenizer's own split of the
+render, and encodes the text between them with the placeholders restored and special tokens read as text
+(tokenizers' `encode_special_tokens`). `encode_chat` does all of it. A text with no special token's spelling (all
+ordinary prompts) is encoded whole, exactly as before: the same ids as transformers. Only tokens marked special
+count; added tokens that are not (Qwen's `<tool_call>` words) are matched in any text, as transformers matches them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -94,6 +108,23 @@ def read_json(path: Path) -> dict | None:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+GUARD_MAX_DEPTH = 200  # how deep guard() walks messages (a tool call's arguments are at most json_text.MAX_DEPTH)
+_PLACEHOLDER_START, _PLACEHOLDER_END = "\ue000", "\ue001"  # private-use characters: kept by json.dumps and jinja
+
+
+@dataclasses.dataclass(frozen=True)
+class TextGuard:
+    """What Tokenizer.guard swapped out of untrusted strings: each placeholder and the special token's text it
+    stands for."""
+
+    placeholders: dict[str, str]
+    pattern: re.Pattern = dataclasses.field(repr=False)
+
+    def restore(self, text: str) -> str:
+        """`text` with each placeholder back as the special token's text it stands for."""
+        return self.pattern.sub(lambda m: self.placeholders[m.group()], text)
 
 
 def _compile_template(template: str) -> jinja2.Template:
@@ -412,6 +443,98 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # ---- text from outside: special tokens read as text (module docstring) --------------------------
+
+    @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of every added token marked special, longest first (as the tokenizer matches them)."""
+        added = self._tok.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}, key=lambda t: (-len(t), t)))
+
+    @functools.cached_property
+    def _special_ids(self) -> dict[int, str]:
+        """id -> text of each special token."""
+        return {self._tok.token_to_id(t): t for t in self.special_tokens}
+
+    @functools.cached_property
+    def _unsafe_text(self) -> re.Pattern:
+        # A special token's spelling (longest first: the tokenizer's leftmost-longest match) or a lone surrogate.
+        return re.compile("|".join([*map(re.escape, self.special_tokens), "[\ud800-\udfff]"]))
+
+    @functools.cached_property
+    def _text_tokenizer(self) -> tokenizers.Tokenizer:
+        # A copy, not a flag flipped on the shared tokenizer: other threads encode prompts with it meanwhile.
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def guard(self, value):
+        """(value, guard) for untrusted `value` (a str, or lists, tuples and dicts of strings and JSON scalars: chat
+        messages, tool schemas): a copy whose strings, keys included, have each special token's text swapped for a
+        placeholder and each lone surrogate for U+FFFD; guard is what encode_guarded and TextGuard.restore need, or
+        None when no placeholder was needed. `value` itself is returned where nothing was replaced. ValueError for a
+        value nested deeper than GUARD_MAX_DEPTH."""
+        nonce = secrets.token_hex(8)
+        placeholders: dict[str, str] = {}  # special token's text -> its placeholder
+
+        def replace(match: re.Match) -> str:
+            found = match.group()
+            if len(found) == 1 and "\ud800" <= found <= "\udfff":
+                return "\ufffd"
+            if found not in placeholders:
+                placeholders[found] = f"{_PLACEHOLDER_START}{nonce}{len(placeholders):x}{_PLACEHOLDER_END}"
+            return placeholders[found]
+
+        def walk(item, depth: int):
+            if isinstance(item, str):
+                return self._unsafe_text.sub(replace, item) if self._unsafe_text.search(item) else item
+            if not isinstance(item, dict | list | tuple):
+                return item
+            if depth >= GUARD_MAX_DEPTH:
+                raise ValueError(f"a message or tool schema nested more than {GUARD_MAX_DEPTH} deep")
+            if isinstance(item, dict):
+                pairs = [(walk(k, depth + 1), walk(v, depth + 1)) for k, v in item.items()]
+                same = all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, item.items()))
+                return item if same else dict(pairs)
+            items = [walk(x, depth + 1) for x in item]
+            return item if all(x is x0 for x, x0 in zip(items, item)) else type(item)(items)
+
+        guarded = walk(value, 0)
+        if not placeholders:
+            return guarded, None
+        restore = {p: text for text, p in placeholders.items()}
+        return guarded, TextGuard(restore, re.compile("|".join(map(re.escape, restore))))
+
+    def encode_guarded(self, text: str, guard: TextGuard | None) -> list[int]:
+        """The ids of `text`, rendered from guarded messages: the special tokens it spells itself (the template's)
+        as special tokens, the placeholders as the text they stand for, special tokens read as text there. With
+        guard None, encode(text)."""
+        if guard is None:
+            return self.encode(text)
+        ids, at = [], 0
+        # The tokenizer's own split finds the template's special tokens (with any whitespace they strip).
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            # (a special id the model gives a word, as word_level's unknown word, is no special token of the text)
+            if start >= at and self._special_ids.get(token_id) == text[start:end].strip():
+                ids += self._encode_text(guard.restore(text[at:start]))
+                ids.append(token_id)
+                at = end
+        return ids + self._encode_text(guard.restore(text[at:]))
+
+    @functools.cached_property
+    def _unk_id(self) -> int | None:
+        unk = getattr(self._tok.model, "unk_token", None)
+        return self._tok.token_to_id(unk) if unk else None
+
+    def _encode_text(self, text: str) -> list[int]:
+        ids = self._text_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+        if self._special_ids.keys().isdisjoint(ids):
+            return ids
+        # A vocabulary that holds the special tokens as words too (word_level's): their spelling is no word of the
+        # text, so it is the unknown word, as any other word the vocabulary lacks.
+        return [self._unk_id if i in self._special_ids and self._unk_id is not None else i for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:
         """Render a conversation to the prompt string (not tokenized). tools: JSON schemas of the tools the model
@@ -432,6 +555,18 @@ class Tokenizer:
                                          tools=tools, documents=None, **variables, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.source}: chat_template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **kwargs) -> tuple[str, list[int]]:
+        """(text, ids) of a conversation rendered with the chat template: the text apply_chat_template gives, and
+        ids in which only the template's own special tokens are special; a special token's spelling in the
+        messages or the tools is encoded as text (module docstring). For a conversation that spells none, the ids
+        are encode_prompt(text, chat=True)'s, as transformers' apply_chat_template(tokenize=True) gives them."""
+        (messages, tools), guard = self.guard((messages, tools))
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        if guard is None:
+            return text, self.encode_prompt(text, chat=True)
+        return guard.restore(text), self.encode_guarded(text, guard)
 
 
 def load_tokenizer(name: str, model_path: str = "") -> Tokenizer:

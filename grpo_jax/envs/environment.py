@@ -11,8 +11,12 @@ An episode, as the rollout engine runs it (grpo_jax.rollout.episodes):
     reward = await env.reward()                # the episode's reward: a float, or named parts {name: float}
     await env.close()                          # always: after a failure or a timeout too
 
-Each call within config.step_timeout_s; at most config.concurrency episodes at once, on one event loop: an
-environment must not block it (Tool.run sends plain tool functions to worker threads).
+Each call within config.step_timeout_s; at most config.concurrency calls at once, on one event loop: an
+environment must not block it (Tool.run sends plain tool functions to the runner's worker threads, at most
+config.concurrency at work; so does asyncio.to_thread). Python cannot stop a thread: a plain tool still running
+past the timeout keeps its thread, outside that count, and a call that blocks the loop itself past it gets the loop
+replaced (the episodes on it fail); more such threads at once than config.concurrency stop the run
+(grpo_jax.rollout.episodes). `reset` gets its own deep copy of the row: it may change it.
 
 The environment speaks messages, the trainer owns tokens: an environment never sees or makes token ids. A
 message is a dict {"role": ..., "content": str}: `reset` returns system, user (and, for a few-shot opening,
@@ -90,8 +94,9 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     async def reset(self, row: dict, seed: int) -> list[dict]:
-        """The opening conversation for dataset row `row`; `seed` makes any randomness of the episode repeatable.
-        The trainer gives the G episodes of a prompt the same seed: draw the task instance from it."""
+        """The opening conversation for dataset row `row` (this episode's own copy); `seed` makes any randomness of
+        the episode repeatable. The trainer gives the G episodes of a prompt the same seed: draw the task instance
+        from it."""
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         """Run the turn's tool calls and answer with their results; a turn without any ends the episode."""
@@ -163,7 +168,9 @@ class EnvConfig:
     # the most tokens one sequence may hold (prompt, sampled and environment tokens); an episode that would
     # pass it is truncated
     max_total_tokens: int = 4096
-    concurrency: int = 32  # environment calls running at once (per process)
+    # environment calls running at once, and worker threads for their plain tools (per process); more threads stuck
+    # in calls past step_timeout_s than this stop the run
+    concurrency: int = 32
     step_timeout_s: float = 30.0  # the longest one reset, step, reward or close may take
     # the chat format that turns messages into ids (RENDERERS: qwen2, qwen3, llama3, gemma3, compact); "": the
     # model's own, from model.architecture (renderer_for)
@@ -190,7 +197,7 @@ class EnvConfig:
             problems.append(f"kwargs={self.kwargs!r}: a mapping of the factory's keyword arguments")
         for key, meaning in (("max_turns", "assistant turns per episode"),
                              ("max_total_tokens", "tokens one sequence may hold"),
-                             ("concurrency", "episodes at once")):
+                             ("concurrency", "environment calls at once")):
             value = getattr(self, key)
             if not is_int(value) or value < 1:
                 problems.append(f"{key}={value!r}: must be an integer >= 1 ({meaning})")

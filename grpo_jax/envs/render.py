@@ -5,7 +5,9 @@ again. The environment speaks messages; turning its messages into ids is the ren
 
 - `initial_ids(messages, tools)`: the opening prompt, tool schemas included, ending with the generation prompt.
 - `parse(assistant_ids)`: the sampled turn as an AssistantTurn (content, tool calls, reasoning, and the turn
-  as a chat message for the history). A malformed tool call is `parse_error`, never an exception.
+  as a chat message for the history). It never raises, whatever the ids: a malformed tool call is `parse_error`.
+  Every JSON read of sampled text goes through grpo_jax.json_text (at most json_text.MAX_DEPTH deep, no integer
+  past Python's digit limit, no NaN, Infinity or 1e999), so what a call holds can be walked, checked and echoed.
 - `append_ids(history, new_messages, tools)`: the ids that follow the sampled turn: the end-of-turn glue the
   model did not sample (the "\\n" after Qwen's <|im_end|>), the environment's messages as the template writes
   them (several tool results in a row included), and the next generation prompt. Or CannotExtend when the
@@ -16,6 +18,16 @@ again. The environment speaks messages; turning its messages into ids is the ren
 
 How: each family's `render` is its chat template written in Python; the tests render the same conversations
 with the real templates (Tokenizer.apply_chat_template, tools included) and require the same ids.
+`template_conversation` and `template_variables` give the conversation and the variables as the model's own
+template takes them, and a run's renderer is checked against the checkpoint's template on a probe conversation
+(`renderer_for_run`, `template_difference`): env.renderer='' takes the renderer that fits it, an explicit one that
+does not fit is refused in one line naming where the ids differ.
+
+Text from outside is text: initial_ids and append_ids guard every message's strings and the tool schemas
+(Tokenizer.guard), so a special token's spelling in them (a tool result spelling `<|im_end|>`) is encoded as text
+and only the template's own structural tokens are special; where nothing spells one, the ids are the whole
+render's, as transformers encodes it.
+
 `append_ids` renders the history without and with the new messages and returns the ids of the difference when
 the first render is a prefix of the second. The difference starts right after an end-of-turn special token,
 where the tokenizer splits the text anyway, so its ids are those the whole render has there (checked on a
@@ -23,12 +35,15 @@ probe when the renderer is made: a tokenizer whose end-of-turn token swallows th
 
 Families (`RENDERERS`):
 - qwen2: Qwen2.5's template (Qwen2's, with `default_system="You are a helpful assistant."`): tools listed in
-  the system message, calls as <tool_call>{"name", "arguments"}</tool_call> in the assistant turn, results as
+  the system message, calls as <tool_call>{"name", "arguments"}</tool_call> in the assistant turn (arguments
+  given as a JSON string written through tojson, quoted, as the template writes them), results as
   <tool_response> blocks in one user turn.
 - qwen3: Qwen3's template: the same tool format, and <think> reasoning that the template keeps only for the
   turns after the last user message: a user message from the environment after reasoning cannot extend; with
   `enable_thinking=False` (the generation prompt closes an empty <think> block, which the template drops from
-  earlier turns) no turn extends.
+  earlier turns) no turn extends. Arguments given as a JSON string are written as they are.
+- qwen3_instruct: Qwen3-Instruct-2507's template: Qwen3's without <think> handling (a turn's text is written and
+  read as it is, the generation prompt opens no block), so every step extends.
 - llama3: Llama 3.1's template (its custom tools): tools as JSON in the first user message (or the system
   message, `tools_in_user_message=False`), one call per turn as {"name", "parameters"} JSON alone in the turn
   (after <|python_tag|> or not), results in `ipython` turns as JSON strings (the template writes a string
@@ -39,7 +54,7 @@ Families (`RENDERERS`):
   as Qwen's <tool_call> blocks in the model turn, and the environment's messages of one step merged into one
   user turn (the template needs user and model turns to alternate): each tool result as a <tool_response>
   block, each user message as it is, joined by "\\n". `template_messages` gives the conversation in that form,
-  as Gemma's own template takes it.
+  as Gemma's own template takes it. Arguments given as a JSON string are written as they are (Qwen3's rule).
 - compact: grpo_jax's own short format, for tiny models trained from scratch with the word-level tokenizer
   `synthetic_chat` (Tokenizer.synthetic_chat), where a whole tool call is a few tokens. Each message is its role
   token, its content and <|e|>: <|s|> system, <|u|> user, <|a|> assistant, <|t|> tool (the result only; results
@@ -56,12 +71,17 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import logging
 import re
+import weakref
 from collections.abc import Sequence
 
 from grpo_jax.data.tokenizer import Tokenizer
 from grpo_jax.envs.tools import Tool, ToolCall
 from grpo_jax.errors import ConfigError
+from grpo_jax.json_text import JSONTextError, loads, loads_prefix
+
+logger = logging.getLogger("grpo_jax.envs.render")
 
 ENVIRONMENT_ROLES = ("user", "tool")  # what an environment step may say
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -131,11 +151,16 @@ def check_messages(messages: Sequence[dict], where: str, roles: Sequence[str] | 
             raise ValueError(f"{where}[{i}]: content must be a str, got {type(content).__name__}")
 
 
-def _calls(message: dict) -> list[tuple[str, dict]]:
-    """(name, arguments) of each tool call of a message; a call is {"function": {...}} or flat, as templates allow."""
+def _calls(message: dict) -> list[tuple[str, dict | str]]:
+    """(name, arguments) of each tool call of a message; a call is {"function": {...}} or flat, as templates allow.
+    ValueError for a call of another shape (a history from reset() may hold anything)."""
     out = []
     for call in message.get("tool_calls") or ():
-        function = call.get("function", call)
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), dict | str)):
+            raise ValueError(f"a tool call is {{'function': {{'name': str, 'arguments': dict or JSON str}}}}, got "
+                             f"{str(call)[:120]}")
         out.append((function["name"], function["arguments"]))
     return out
 
@@ -144,8 +169,11 @@ def _message_calls(calls: Sequence[ToolCall]) -> list[dict]:
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def _qwen_call_text(name: str, arguments) -> str:
-    arguments_text = arguments if isinstance(arguments, str) else _tojson(arguments)
+def _qwen_call_text(name: str, arguments, strings_as_they_are: bool) -> str:
+    # Arguments given as a JSON string (the OpenAI message format): Qwen3's template writes the string as it is,
+    # Qwen2.5's through tojson (a quoted JSON string) like any other value.
+    as_is = strings_as_they_are and isinstance(arguments, str)
+    arguments_text = arguments if as_is else _tojson(arguments)
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + arguments_text + "}\n</tool_call>"
 
 
@@ -156,9 +184,9 @@ def _qwen_tools_text(tools: list[dict]) -> str:
 def _read_call(body: str, arguments_keys: tuple[str, ...], where: str) -> tuple[ToolCall | None, str | None]:
     """A call's JSON object {"name": str, <arguments key>: object} as a ToolCall, or why it is not one."""
     try:
-        value = json.loads(body.strip())
-    except json.JSONDecodeError as e:
-        return None, f"{where}: invalid JSON ({e})"
+        value = loads(body.strip())
+    except JSONTextError as e:
+        return None, f"{where}: {e}"
     shape = '{"name": ..., "' + arguments_keys[0] + '": {...}}'
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None, f"{where}: expected {shape}, got {body.strip()[:200]}"
@@ -166,8 +194,8 @@ def _read_call(body: str, arguments_keys: tuple[str, ...], where: str) -> tuple[
     arguments = value.get(key, {}) if key else {}
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads(arguments)
+        except JSONTextError:
             pass
     if not isinstance(arguments, dict):
         return None, f"{where}: the arguments of {value['name']} must be a JSON object, got {_tojson(arguments)[:200]}"
@@ -223,9 +251,29 @@ class Renderer(abc.ABC):
     def stop_ids(self) -> tuple[int, ...]:
         return self.end_of_turn_ids + self.end_of_text_ids
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the model writes a reasoning block before each turn (what the probe's turns hold)."""
+        return False
+
+    @property
+    def template_variables(self) -> dict:
+        """The chat template's variables this renderer's options stand for (passed when rendering with it)."""
+        return {}
+
+    def template_conversation(self, messages: Sequence[dict], tools: list[dict] | None) -> tuple[list, list | None]:
+        """The conversation and tool schemas as the model's own chat template takes them (what template_difference
+        renders): as they are, unless the template has no tool format (gemma3)."""
+        return list(messages), tools
+
     @abc.abstractmethod
     def render(self, messages: Sequence[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         """The conversation as the family's chat template renders it (tools: schemas, or None)."""
+
+    def render_as_sampled(self, history: Sequence[dict], tools: list[dict] | None) -> str:
+        """`history`, whose last turn the model sampled, as the ids it holds: the render of the turns before
+        it with the generation prompt, then that turn. For most templates the render of the whole history."""
+        return self.render(history, tools, add_generation_prompt=False)
 
     @abc.abstractmethod
     def parse_text(self, text: str, finish: str) -> AssistantTurn:
@@ -236,7 +284,9 @@ class Renderer(abc.ABC):
         check_messages(messages, "messages")
         if not messages:
             raise ValueError("messages=[]: a conversation needs at least one message")
-        return self.tokenizer.encode(self.render(messages, tool_schemas(tools), add_generation_prompt=True))
+        # Every message's text and the schemas are text: a special token's spelling there is no special token.
+        (messages, schemas), guard = self.tokenizer.guard((list(messages), tool_schemas(tools)))
+        return self.tokenizer.encode_guarded(self.render(messages, schemas, add_generation_prompt=True), guard)
 
     def parse(self, assistant_ids: Sequence[int]) -> AssistantTurn:
         """The sampled ids of one assistant turn (ending with the stop id, when one was sampled) as an
@@ -258,19 +308,22 @@ class Renderer(abc.ABC):
         check_messages(new_messages, "new_messages", ENVIRONMENT_ROLES)
         if not history or history[-1]["role"] != "assistant":
             raise ValueError("history must end with the assistant turn the new messages answer")
-        schemas = tool_schemas(tools)
-        before = self.render(history, schemas, add_generation_prompt=False)
+        # One guard for both renders: their placeholders are the same, so the prefix test holds as without them.
+        (history, new_messages, schemas), guard = self.tokenizer.guard(
+            (list(history), list(new_messages), tool_schemas(tools)))
+        restore = guard.restore if guard is not None else (lambda text: text)
+        before = self.render_as_sampled(history, schemas)
         after = self.render([*history, *new_messages], schemas, add_generation_prompt=True)
         if not before.endswith(self.end_of_turn[0] + self.glue):
             raise ValueError(f"{self.family}: the history's render does not end with {self.end_of_turn[0]!r} + "
-                             f"{self.glue!r}: {before[-80:]!r}")
+                             f"{self.glue!r}: {restore(before[-80:])!r}")
         if not after.startswith(before):
             at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(after))
             at = before.rfind("\n", 0, at) + 1  # from the start of the line that differs
             return CannotExtend(reason=f"{self.family}'s chat template renders the history differently once these "
-                                       f"messages follow: from character {at}, {before[at:at + 60]!r} becomes "
-                                       f"{after[at:at + 60]!r}")
-        return self.tokenizer.encode(after[len(before) - len(self.glue):])
+                                       f"messages follow: from character {at}, {restore(before[at:at + 60])!r} "
+                                       f"becomes {restore(after[at:at + 60])!r}")
+        return self.tokenizer.encode_guarded(after[len(before) - len(self.glue):], guard)
 
 
 class Qwen2Renderer(Renderer):
@@ -302,7 +355,7 @@ class Qwen2Renderer(Renderer):
                 out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
             elif role == "assistant":
                 out.append("<|im_start|>assistant" + ("\n" + content if content else ""))
-                out.extend("\n" + _qwen_call_text(name, arguments) for name, arguments in calls)
+                out.extend("\n" + _qwen_call_text(name, arguments, False) for name, arguments in calls)
                 out.append("<|im_end|>\n")
             elif role == "tool":
                 out.append(_qwen_tool_response(messages, i))
@@ -342,6 +395,7 @@ class Qwen3Renderer(Renderer):
     end_of_turn = ("<|im_end|>",)
     end_of_text = ("<|endoftext|>",)
     glue = "\n"
+    thinking_template = True  # the template reads <think> blocks out of turns and drops earlier ones
 
     def __init__(self, tokenizer: Tokenizer, *, enable_thinking: bool = True):
         """enable_thinking=False: the template's variable of that name; the generation prompt closes an empty
@@ -349,7 +403,22 @@ class Qwen3Renderer(Renderer):
         super().__init__(tokenizer)
         self.enable_thinking = enable_thinking
 
-    def render(self, messages, tools, add_generation_prompt):
+    @property
+    def thinks(self) -> bool:
+        return self.thinking_template and self.enable_thinking
+
+    @property
+    def template_variables(self) -> dict:
+        return {"enable_thinking": self.enable_thinking} if self.thinking_template else {}
+
+    def render_as_sampled(self, history, tools):
+        # The template writes its last turn with a <think> block, empty when the turn has no reasoning, but the
+        # generation prompt of thinking mode writes none: a turn sampled without one holds no such block.
+        if self.thinks and "reasoning_content" not in history[-1] and "</think>" not in history[-1]["content"]:
+            return self.render(history, tools, add_generation_prompt=False, last_sampled_unthinking=True)
+        return self.render(history, tools, add_generation_prompt=False)
+
+    def render(self, messages, tools, add_generation_prompt, last_sampled_unthinking=False):
         has_system = bool(messages) and messages[0]["role"] == "system"
         out = []
         if tools:
@@ -366,13 +435,14 @@ class Qwen3Renderer(Renderer):
             if role == "user" or (role == "system" and i > 0):
                 out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
             elif role == "assistant":
-                reasoning = message.get("reasoning_content")
+                reasoning = message.get("reasoning_content") if self.thinking_template else ""
                 if reasoning is None:
                     reasoning = ""
                     if "</think>" in content:
                         reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
                         content = content.split("</think>")[-1].lstrip("\n")
-                if i > last_query and (i == len(messages) - 1 or reasoning):
+                last = i == len(messages) - 1 and not last_sampled_unthinking
+                if self.thinking_template and i > last_query and (last or reasoning):
                     out.append("<|im_start|>assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n"
                                + content.lstrip("\n"))
                 else:
@@ -380,17 +450,20 @@ class Qwen3Renderer(Renderer):
                 for j, (name, arguments) in enumerate(_calls(message)):
                     if j > 0 or content:
                         out.append("\n")
-                    out.append(_qwen_call_text(name, arguments))
+                    out.append(_qwen_call_text(name, arguments, True))
                 out.append("<|im_end|>\n")
             elif role == "tool":
                 out.append(_qwen_tool_response(messages, i))
             elif not (role == "system" and i == 0):  # (the first system message is written above)
                 raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders system, user, assistant, tool")
         if add_generation_prompt:
-            out.append("<|im_start|>assistant\n" + ("" if self.enable_thinking else "<think>\n\n</think>\n\n"))
+            closed = self.thinking_template and not self.enable_thinking
+            out.append("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if closed else ""))
         return "".join(out)
 
     def parse_text(self, text, finish):
+        if not self.thinking_template:  # the template writes a turn's text as it is, </think> or not
+            return _tagged_turn(text, finish)
         reasoning, answer = None, text
         if "</think>" in text:  # as the template reads a turn's reasoning out of its content
             reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
@@ -403,6 +476,17 @@ class Qwen3Renderer(Renderer):
             message["tool_calls"] = _message_calls(calls)
         return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error,
                              reasoning=reasoning, finish=finish, message=message)
+
+
+class Qwen3InstructRenderer(Qwen3Renderer):
+    """Qwen3-Instruct-2507's chat template (module docstring)."""
+
+    family = "qwen3_instruct"
+    thinking_template = False
+
+    def __init__(self, tokenizer: Tokenizer):
+        Renderer.__init__(self, tokenizer)
+        self.enable_thinking = False
 
 
 class Llama3Renderer(Renderer):
@@ -419,6 +503,10 @@ class Llama3Renderer(Renderer):
         """date_string and tools_in_user_message: the template's variables of those names."""
         super().__init__(tokenizer)
         self.date_string, self.tools_in_user_message = date_string, tools_in_user_message
+
+    @property
+    def template_variables(self) -> dict:
+        return {"date_string": self.date_string, "tools_in_user_message": self.tools_in_user_message}
 
     def render(self, messages, tools, add_generation_prompt):
         messages = list(messages)
@@ -466,9 +554,9 @@ class Llama3Renderer(Renderer):
             return AssistantTurn(text=text, content=text, finish=finish, message=plain)
         # After <|python_tag|>, or JSON from the first character: the model meant a call.
         try:
-            _, end = json.JSONDecoder().raw_decode(body.strip())
-        except json.JSONDecodeError as e:
-            return AssistantTurn(text=text, content=text, parse_error=f"tool call: invalid JSON ({e})",
+            _, end = loads_prefix(body.strip())
+        except JSONTextError as e:
+            return AssistantTurn(text=text, content=text, parse_error=f"tool call: {e}",
                                  finish=finish, message=plain)
         if body.strip()[end:].strip():
             return AssistantTurn(text=text, content=text, finish=finish, message=plain,
@@ -506,7 +594,7 @@ class Gemma3Renderer(Renderer):
         for i, message in enumerate(rest):
             role, content = message["role"], message["content"]
             if role == "assistant":
-                calls = [_qwen_call_text(name, arguments) for name, arguments in _calls(message)]
+                calls = [_qwen_call_text(name, arguments, True) for name, arguments in _calls(message)]
                 out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
                 merging = False
             elif role in ("user", "tool"):
@@ -520,6 +608,9 @@ class Gemma3Renderer(Renderer):
                 raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders a first system message, then "
                                  "user, assistant and tool messages")
         return out
+
+    def template_conversation(self, messages, tools):
+        return self.template_messages(messages, tools), None
 
     def render(self, messages, tools, add_generation_prompt):
         turns = self.template_messages(messages, tools)
@@ -547,10 +638,10 @@ _COMPACT_BARE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 def _json_or_none(text: str):
-    """(value,) when `text` is one JSON value alone, else None (json.loads also reads NaN and Infinity)."""
+    """(value,) when `text` is one JSON value alone (json_text's: not NaN, Infinity or 1e999), else None."""
     try:
-        return (json.loads(text),)
-    except json.JSONDecodeError:
+        return (loads(text),)
+    except JSONTextError:
         return None
 
 
@@ -564,7 +655,12 @@ def _compact_value(value) -> str:
 
 def _compact_call_text(name: str, arguments) -> str:
     if isinstance(arguments, str):  # arguments given as a JSON string, as some histories hold them
-        arguments = json.loads(arguments)
+        try:
+            arguments = loads(arguments)
+        except JSONTextError as e:
+            raise ValueError(f"tool call {name}: its arguments {arguments[:80]!r} are no JSON object ({e})") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool call {name}: its arguments must be a JSON object, got {_tojson(arguments)[:80]}")
     return "<|c|>" + " ".join([name, *(f"{k}={_compact_value(v)}" for k, v in arguments.items())])
 
 
@@ -583,9 +679,9 @@ def _read_compact_call(body: str, where: str) -> tuple[ToolCall | None, str | No
         rest = body[at:]
         if rest[:1] in ('"', "{", "["):
             try:
-                value, length = json.JSONDecoder().raw_decode(rest)
-            except json.JSONDecodeError as e:
-                return None, f"{where}: argument {key.group(1)}: invalid JSON ({e})"
+                value, length = loads_prefix(rest)
+            except JSONTextError as e:
+                return None, f"{where}: argument {key.group(1)}: {e}"
         else:
             length = len(rest.split(None, 1)[0]) if rest.strip() else 0
             if rest[:1].isspace() or not length:
@@ -657,15 +753,157 @@ class CompactRenderer(Renderer):
 
 
 RENDERERS: dict[str, type[Renderer]] = {
-    "qwen2": Qwen2Renderer, "qwen3": Qwen3Renderer, "llama3": Llama3Renderer, "gemma3": Gemma3Renderer,
-    "compact": CompactRenderer}
+    "qwen2": Qwen2Renderer, "qwen3": Qwen3Renderer, "qwen3_instruct": Qwen3InstructRenderer, "llama3": Llama3Renderer,
+    "gemma3": Gemma3Renderer, "compact": CompactRenderer}
+
+
+# ---- the renderer a checkpoint needs: checked against its own chat template ----------------------------------
+
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number", "description": "The first number."},
+                                                    "b": {"type": "number", "description": "The second number."}},
+                   "required": ["a", "b"]}}}]
+
+
+def _probe(renderer: Renderer, with_tools: bool) -> list[tuple[str, list[dict], list[dict] | None, bool]]:
+    """(what, messages, tools, add_generation_prompt) of the probe: an opening with tools, a turn calling one, its
+    result, an answer (each step a render of its own, so that whether the longer history extends the shorter is
+    tested too); a conversation without system message or tools; an opening holding an earlier call whose
+    arguments are a JSON string (OpenAI's message format). A thinking renderer's turns carry reasoning. Without
+    tools (an environment that offers none): the same steps with a plain turn answered by a user message."""
+    def turn(content, calls=(), reasoning="I add the numbers."):
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": "add", "arguments": a}} for a in calls]
+        if renderer.thinks:
+            message["reasoning_content"] = reasoning
+        return message
+
+    opening = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+    question = [{"role": "user", "content": "Hello, who are you?"}]
+    no_tools = [("a prompt without system message or tools", question, None, True),
+                ("an answer without tools", [*question, turn("I am a calculator.")], None, False)]
+    if not with_tools:
+        step, answer = turn("2 + 3 = 5."), {"role": "user", "content": "And 5 + 1?"}
+        return [("the opening prompt", opening, None, True),
+                ("the history ending with an answer", [*opening, step], None, False),
+                ("the prompt after a user's reply", [*opening, step, answer], None, True),
+                ("the whole conversation", [*opening, step, answer, turn("5 + 1 = 6.")], None, False), *no_tools]
+    call, result = turn("I add them.", [{"a": 2, "b": 3}]), {"role": "tool", "name": "add", "content": "5"}
+    earlier = [*opening, turn("", ['{"a": 2, "b": 3}']), result, {"role": "user", "content": "And 5 + 1?"}]
+    return [("the opening prompt", opening, _PROBE_TOOLS, True),
+            ("the history ending with a tool call", [*opening, call], _PROBE_TOOLS, False),
+            ("the prompt after the tool's result", [*opening, call, result], _PROBE_TOOLS, True),
+            ("the whole conversation", [*opening, call, result, turn("2 + 3 = 5.")], _PROBE_TOOLS, False),
+            *no_tools,
+            ("an opening with an earlier call whose arguments are a JSON string", earlier, _PROBE_TOOLS, True)]
+
+
+def _first_difference(tokenizer: Tokenizer, ours: list[int], theirs: list[int]) -> tuple[int, str, str]:
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+    def near(ids):
+        text = tokenizer.decode(ids[at:at + 12], skip_special_tokens=False)
+        return repr(text[:50]) if ids[at:] else "the end"
+
+    return at, near(ours), near(theirs)
+
+
+_DIFFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {renderer key: difference}
+
+
+def template_difference(renderer: Renderer, with_tools: bool = True) -> str | None:
+    """Where the renderer's ids first differ from those of its tokenizer's own chat template on the probe
+    conversation (_probe; with_tools=False: one without tools), in one line; None when they agree everywhere, also
+    on whether the environment's answer extends the history, or when the tokenizer has no chat template to compare
+    with (the synthetic tokenizers)."""
+    tokenizer = renderer.tokenizer
+    if tokenizer.chat_template is None:
+        return None
+    key = (type(renderer), repr(sorted((k, v) for k, v in vars(renderer).items() if k != "tokenizer")), with_tools)
+    known = _DIFFERENCES.setdefault(tokenizer, {})
+    if key not in known:
+        known[key] = _template_difference(renderer, with_tools)
+    return known[key]
+
+
+def _template_difference(renderer: Renderer, with_tools: bool) -> str | None:
+    tokenizer = renderer.tokenizer
+    probe, texts = _probe(renderer, with_tools), []
+    for what, messages, tools, generation_prompt in probe:
+        template_messages, template_tools = renderer.template_conversation(messages, tools)
+        try:
+            theirs = tokenizer.apply_chat_template(template_messages, add_generation_prompt=generation_prompt,
+                                                   tools=template_tools, **renderer.template_variables)
+        except ValueError as e:
+            return f"{what}: the chat template fails on it ({' '.join(str(e).split())[:200]})"
+        ours = renderer.render(messages, tools, generation_prompt)
+        texts.append(theirs)
+        if ours != theirs:
+            our_ids, their_ids = tokenizer.encode(ours), tokenizer.encode(theirs)
+            at, near_ours, near_theirs = _first_difference(tokenizer, our_ids, their_ids)
+            return (f"{what}: the ids differ first at position {at} ({len(our_ids)} ids, the template's "
+                    f"{len(their_ids)}): the renderer writes {near_ours} where the template writes {near_theirs}")
+    # probe[1] is the history ending with a turn, probe[2] that history and the environment's answer
+    template_extends = texts[2].startswith(texts[1])
+    history = probe[1][1]
+    extends = not isinstance(renderer.append_ids(history, probe[2][1][len(history):], probe[2][2]), CannotExtend)
+    if extends != template_extends:
+        return (f"after the environment's answer the renderer {'extends' if extends else 'starts a new segment'} "
+                f"where the template {'extends' if template_extends else 'renders the history differently'}")
+    return None
+
+
+def _construct(name: str, tokenizer: Tokenizer, options: dict) -> Renderer:
+    if name not in RENDERERS:
+        raise ConfigError(f"renderer {name!r}: allowed {', '.join(RENDERERS)}")
+    try:
+        return RENDERERS[name](tokenizer, **options)
+    except TypeError as e:
+        raise ConfigError(f"renderer {name!r}: {e}") from e
+
+
+def fitting_renderers(tokenizer: Tokenizer, with_tools: bool = True) -> list[Renderer]:
+    """The renderers (RENDERERS order, default options) that render the probe as the tokenizer's chat template
+    does; [] without a template."""
+    fitting = []
+    for name in RENDERERS:
+        try:
+            candidate = _construct(name, tokenizer, {})
+        except ConfigError:  # not this family's tokens
+            continue
+        if tokenizer.chat_template is not None and template_difference(candidate, with_tools) is None:
+            fitting.append(candidate)
+    return fitting
 
 
 def make_renderer(family: str, tokenizer: Tokenizer, **options) -> Renderer:
-    """The renderer of a model family (RENDERERS), with its options (e.g. enable_thinking for qwen3)."""
-    if family not in RENDERERS:
-        raise ConfigError(f"renderer {family!r}: allowed {', '.join(RENDERERS)}")
-    try:
-        return RENDERERS[family](tokenizer, **options)
-    except TypeError as e:
-        raise ConfigError(f"renderer {family!r}: {e}") from e
+    """The renderer of a model family (RENDERERS), with its options (e.g. enable_thinking for qwen3), as it is: a
+    run's renderer is chosen and checked against the checkpoint's chat template by renderer_for_run."""
+    return _construct(family, tokenizer, options)
+
+
+def renderer_for_run(family: str, tokenizer: Tokenizer, options: dict, *, explicit: bool, model: str,
+                     with_tools: bool = True) -> Renderer:
+    """The renderer a run uses, checked against the checkpoint's own chat template on a probe conversation
+    (template_difference; with_tools=False for an environment that offers no tools) before anything runs.
+    family: env.renderer when `explicit`, else the model architecture's; model: what names the checkpoint in a
+    message. An explicit renderer that does not fit is refused (ConfigError naming where the ids differ and the
+    renderers that fit); otherwise the first renderer that fits is chosen, logged, and none fitting is refused. A
+    tokenizer without a chat template (the synthetic ones, for `compact`) is not checked."""
+    renderer = _construct(family, tokenizer, options)
+    difference = template_difference(renderer, with_tools)
+    if difference is None:
+        return renderer
+    fitting = [r.family for r in fitting_renderers(tokenizer, with_tools)]
+    setting = f"env.renderer={family!r}" if explicit else f"env.renderer='' (the model's family: {family})"
+    if explicit or not fitting:
+        fix = (f"set env.renderer to {' or '.join(fitting)}, or '' to choose it" if fitting else
+               "give the checkpoint the chat template of a family grpo_jax renders (a chat_template.jinja beside "
+               "its tokenizer.json)")
+        raise ConfigError(f"{setting} does not render as the chat template of {model}: {difference}; renderers that "
+                          f"fit it: {', '.join(fitting) or 'none'}; {fix}")
+    logger.warning("%s does not render as the chat template of %s (%s); using renderer %r, which does", setting,
+                   model, difference, fitting[0])
+    return _construct(fitting[0], tokenizer, {})

@@ -18,6 +18,11 @@ required ones, types; an int is a number, a bool is not an int) before the funct
 ToolError the function raises, and any other exception it raises (a division by zero from the model's
 arguments) are all a ToolError, whose message the environment sends back to the model as the tool's result:
 the episode goes on. A result is sent as text: a str as it is, anything else as JSON.
+
+An error message that echoes the model's value writes it as ASCII JSON (`ensure_ascii`: a lone surrogate the
+model escaped, `"\\ud800"`, stays those six characters, which any tokenizer encodes) cut to ECHO_CHARS. The checks
+walk a value only as deep as the parameter's type hint; the renderers read arguments at most json_text.MAX_DEPTH
+deep, and a deeper value handed to call() directly is echoed by its type alone.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ _SCALAR_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _SECTION = re.compile(r"^\s*(Args|Arguments|Returns|Raises|Yields|Examples?|Notes?):\s*$")
 _ARG_LINE = re.compile(r"^(\w+)\s*(?:\([^()]*\))?\s*:\s*(.*)$")
+ECHO_CHARS = 200  # of the model's value, in an error message
 
 
 class ToolError(Exception):
@@ -152,12 +158,21 @@ def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return description, described
 
 
+def echo(value: Any) -> str:
+    """The model's value as an error message shows it: ASCII JSON, at most ECHO_CHARS characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):  # not JSON, a huge int, nested past the stack
+        return f"a value of type {type(value).__name__}"
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS - 3] + "..."
+
+
 def _result_text(name: str, result: Any) -> str:
     if isinstance(result, str):
         return result
     try:
         return json.dumps(result, ensure_ascii=False)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise TypeError(f"tool {name} returned a {type(result).__name__}, which is neither a str nor JSON ({e}); "
                         "return a str") from e
 
@@ -223,15 +238,14 @@ class Tool:
     def check_arguments(self, arguments: Any) -> None:
         """ToolError unless `arguments` is an object of the tool's parameters, each of its type, none missing."""
         if not isinstance(arguments, dict):
-            raise ToolError(f"{self.name}: the arguments must be a JSON object, got {json.dumps(arguments)}")
+            raise ToolError(f"{self.name}: the arguments must be a JSON object, got {echo(arguments)}")
         allowed = self.parameters["properties"]
         for key, value in arguments.items():
             if key not in allowed:
-                raise ToolError(f"{self.name}: unknown argument {key!r} (its arguments: "
+                raise ToolError(f"{self.name}: unknown argument {str(key)[:ECHO_CHARS]!r} (its arguments: "
                                 f"{', '.join(allowed) or 'none'})")
             if not self.checks[key](value):
-                raise ToolError(f"{self.name}: argument {key!r} must be {_describe(allowed[key])}, got "
-                                f"{json.dumps(value, ensure_ascii=False)}")
+                raise ToolError(f"{self.name}: argument {key!r} must be {_describe(allowed[key])}, got {echo(value)}")
         missing = [key for key in self.parameters.get("required", ()) if key not in arguments]
         if missing:
             raise ToolError(f"{self.name}: missing argument {', '.join(repr(k) for k in missing)}")

@@ -6,7 +6,9 @@ environment step the end-of-turn glue, the environment's messages and the next g
 conversation is never encoded again from text, except where the template forces it: when the renderer cannot
 extend (CannotExtend: the template renders the history differently once the environment's messages follow),
 the trajectory is cut there and a new Segment starts whose prompt is the fresh render of the whole history
-(prime-rl's approach). Earlier segments keep what the model saw when it sampled them.
+(prime-rl's approach; there every message's text, the model's own earlier turns included, is encoded as text: a
+special token's spelling in it is no special token, see grpo_jax.envs.render). Earlier segments keep what the model
+saw when it sampled them.
 
 A Segment is one sequence to train: `tokens`, `loss_mask` 1 exactly on the sampled tokens (0 on the prompt's,
 the glue's and the environment's), `behaviour_logprobs` and `weight_versions` of the sampled tokens (0.0 and -1
