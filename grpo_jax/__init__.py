@@ -13,6 +13,12 @@ if (not os.environ.get("GRPO_JAX_KEEP_XLA_FLAGS")
         and "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_FLAG).strip()
 
+# Before JAX starts: with libtpu installed and no TPU here, run on the GPU or the CPU instead of letting libtpu
+# print its start-up errors (an explicit JAX_PLATFORMS is kept; see grpo_jax.platform).
+from grpo_jax.platform import choose_platform  # noqa: E402 - after the XLA flags, which it does not touch
+
+choose_platform()
+
 
 # The public names, imported on first use so that `import grpo_jax` stays cheap (no JAX until then).
 _PUBLIC = {

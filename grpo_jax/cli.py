@@ -13,7 +13,9 @@ import pathlib
 import sys
 import time
 
+from grpo_jax import json_text
 from grpo_jax.errors import CheckpointError, ConfigError, UsageError, UserError
+from grpo_jax.platform import choose_platform
 
 EXIT_USER_ERROR = UserError.exit_code
 
@@ -34,10 +36,10 @@ def read_prompts(path: str) -> list[str]:
         if not line.strip():
             continue
         if file.suffix == ".jsonl":
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{file}:{line_number}: not valid JSON ({e.msg})") from None
+            try:  # a row nested thousands deep, or with a 5000-digit number, is one line too
+                row = json_text.loads(line, allow_nan=True)
+            except json_text.JSONTextError as e:
+                raise UsageError(f"{file}:{line_number}: not valid JSON ({e})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
                 raise UsageError(f"{file}:{line_number}: expected an object with a non-empty string 'prompt'")
             prompts.append(row["prompt"])
@@ -83,6 +85,10 @@ def cmd_generate(args) -> None:
     model, tokenizer = load_hf_model(args.model, dtype=args.dtype)
     if tokenizer is None:
         raise CheckpointError(f"{args.model}: no tokenizer.json, so prompts cannot be tokenized")
+    vocab = model.config.vocab_size
+    if args.top_k > vocab:
+        raise UsageError(f"--top-k={args.top_k}: more than the vocabulary of {args.model} ({vocab} tokens); use at "
+                         f"most {vocab}, or 0 (off)")
     if args.chat:
         texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     else:
@@ -123,6 +129,16 @@ def cmd_generate(args) -> None:
     elapsed = time.perf_counter() - start
     print(f"generated {generated} tokens for {len(prompts)} prompts in {elapsed:.1f}s "
           f"({generated / max(elapsed, 1e-9):.0f} tokens/s, compilation included)", file=sys.stderr)
+
+
+def cmd_import_gguf(args) -> None:
+    """Write a Hugging Face checkpoint directory from a GGUF file (grpo_jax.model.gguf_import)."""
+    from grpo_jax.model.gguf_import import import_gguf
+
+    result = import_gguf(args.file, args.outdir)
+    types = ", ".join(f"{count} {kind}" for kind, count in sorted(result.source_types.items()))
+    print(f"wrote a {result.parameters:,}-parameter {result.architecture} model to {result.out_dir} (tensors {types}, "
+          f"dequantized to bfloat16) in {result.seconds:.1f}s; use it as model_path={result.out_dir}")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -204,6 +220,9 @@ def cmd_eval(args) -> None:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(f"tokenizer={config.tokenizer!r}: {tokenizer.vocab_size} tokens, more than the vocab_size "
                           f"{model.config.vocab_size} of {args.model}/config.json")
+    if config.sampler.top_k > model.config.vocab_size:  # Config.validate knew only the config's model
+        raise ConfigError(f"sampler.top_k={config.sampler.top_k}: more than the vocabulary of {args.model} "
+                          f"({model.config.vocab_size} tokens); set at most {model.config.vocab_size}, or 0 (off)")
     sampler = Sampler(model, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, config=config.sampler)
     rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
     evaluator = Evaluator(config, tokenizer, records, rewards,
@@ -258,13 +277,13 @@ def cmd_audit(args) -> int:
 def cmd_compile(args) -> None:
     """Compile every program of a run for a TPU topology (no TPU needed) and report memory and time; exits
     with DoesNotFit's code when a program does not fit. With --fit, search layouts instead (planning.fit)."""
-    import os
     if args.fit_limit is not None and not args.fit:
         raise UsageError(f"--fit-limit {args.fit_limit}: only with --fit (it bounds the layouts --fit compiles)")
     if args.fit_limit is not None and args.fit_limit < 1:
         raise UsageError(f"--fit-limit {args.fit_limit}: must be at least 1 (layouts compiled)")
-    # Compiling for a described topology needs no accelerator: never take this machine's TPU from a run.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Compiling for a described topology needs no accelerator (libtpu describes it on any platform): never take
+    # this machine's TPU or GPU from a run. An explicit JAX_PLATFORMS is kept.
+    choose_platform("cpu")
     if args.fit:
         return compile_fit(args)
     from grpo_jax.config_io import load_config
@@ -316,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     gen.set_defaults(func=cmd_generate)
 
+    imp = sub.add_parser("import-gguf", help="write a Hugging Face checkpoint directory (bfloat16 safetensors, "
+                         "config.json, tokenizer) from a llama.cpp GGUF file")
+    imp.add_argument("file", help="a .gguf file (architecture llama, qwen2 or qwen3; byte-level BPE tokenizer)")
+    imp.add_argument("outdir", help="the checkpoint directory to write (must not exist, or be empty)")
+    imp.set_defaults(func=cmd_import_gguf)
+
     train = sub.add_parser("train", help="train with asynchronous GRPO")
     train.add_argument("config", help="YAML config, e.g. configs/tiny_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-6")
@@ -356,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    choose_platform()  # before JAX starts: no libtpu start-up errors on a machine without a TPU (grpo_jax.platform)
     parser = build_parser()
     # Overrides may also follow options (`train CONFIG --run-dir D optim.lr=1e-6`): argparse leaves those
     # unparsed, so collect key=value leftovers into the overrides and refuse anything else.

@@ -52,11 +52,18 @@ def test_init_model_then_generate_writes_jsonl(model_dir, tmp_path, capsys):
     (["generate", "--prompts", "{prompts}", "--max-new-tokens", "4", "--max-prompt-len", "3"],
      "prompt 0 is 5 tokens long, over the limit --max-prompt-len=3"),
     (["generate", "--prompts", "{prompts}", "--max-new-tokens", "4", "--top-p", "1.5"], "top_p=1.5"),
+    # issue 36 item 13: lax.top_k's own error before
+    (["generate", "--prompts", "{prompts}", "--max-new-tokens", "4", "--top-k", "261"],
+     "--top-k=261: more than the vocabulary of {model} (260 tokens); use at most 260, or 0 (off)"),
+    (["eval", TINY, "model.vocab_size=300", "tokenizer=byte", "sampler.top_k=280", "data.synthetic_size=40",
+      "data.synthetic_max_digits=2", "data.synthetic_min_digits=2", "eval.synthetic_size=200", "eval.num_prompts=2"],
+     "sampler.top_k=280: more than the vocabulary of {model} (260 tokens); set at most 260, or 0 (off)"),
 ])
 def test_generate_bad_input_is_one_clear_line(model_dir, tmp_path, capsys, args, message):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     args = [a.replace("{prompts}", str(prompts)) for a in args]
+    message = message.replace("{model}", str(model_dir))
     assert main([args[0], "--model", str(model_dir), *args[1:]]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
@@ -143,3 +150,22 @@ def test_the_trainer_log_follows_stderr_when_main_runs_again_with_stderr_redirec
         assert "Logging error" not in second.getvalue()
     finally:
         log.handlers[:] = handlers
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"prompt": ' + "[" * 2000 + "]" * 2000 + "}", "nested 2001 deep"),
+    ('{"prompt": "a", "n": ' + "9" * 5000 + "}", "digits"),
+    ('{"prompt": "a",}', "not valid JSON"),
+    ('["a"]', "expected an object with a non-empty string 'prompt'")])
+def test_generate_prompt_files_refuse_each_bad_row_in_one_line_naming_it(tmp_path, line, says):
+    from grpo_jax.cli import read_prompts
+    from grpo_jax.errors import UsageError
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt": "What is 2 + 2?", "score": NaN}\n' + line + "\n")
+    with pytest.raises(UsageError) as refused:
+        read_prompts(str(file))
+    message = str(refused.value)
+    assert message.startswith(f"{file}:2: ") and says in message and "\n" not in message, message
+    file.write_text('{"prompt": "What is 2 + 2?", "score": NaN}\n\n{"prompt": "And 3 + 3?"}\n')
+    assert read_prompts(str(file)) == ["What is 2 + 2?", "And 3 + 3?"]

@@ -97,3 +97,41 @@ def test_parse_override_values():
     assert parse_override("a=text") == (["a"], "text")
     with pytest.raises(ConfigError):
         parse_override("a..b=1")
+
+
+MULTITURN = REPO / "configs" / "tiny_multiturn_cpu.yaml"
+
+
+def refusal(path, *overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(Config, path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_top_k_above_the_vocabulary_is_refused_naming_both_before_any_compile(tmp_path):
+    # issue 36 item 13: the engines failed inside lax.top_k while tracing, a raw JAX error from the actor.
+    message = refusal(TINY, "sampler.top_k=33")
+    assert "sampler.top_k=33: more than the model's vocabulary of 32 tokens (model.vocab_size)" in message, message
+    assert "set at most 32, or 0 (off)" in message
+    assert load_config(Config, TINY, ["sampler.top_k=32"]).sampler.top_k == 32
+    # From a checkpoint: its config.json says, whatever the model section holds.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "vocab_size": 48, "hidden_size": 32, '
+                                          '"intermediate_size": 64, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 4, "num_key_value_heads": 2}')
+    message = refusal(TINY, f"model_path={tmp_path}", "sampler.top_k=49", "model={}")
+    assert f"sampler.top_k=49: more than the model's vocabulary of 48 tokens ({tmp_path}/config.json)" in message
+    assert load_config(Config, TINY, [f"model_path={tmp_path}", "sampler.top_k=48", "model={}"]).sampler.top_k == 48
+    # A model_path without a readable config.json: loading the model says so, not this check.
+    assert load_config(Config, TINY, [f"model_path={tmp_path / 'nowhere'}", "sampler.top_k=49"]).sampler.top_k == 49
+
+
+def test_episodes_need_a_slot_for_each_of_a_groups_episodes():
+    # issue 36 item 13: with 4 slots for groups of 16 the actor died with "run: 1..4 rows with one seed and one key".
+    message = refusal(MULTITURN, "sampler.slots=4")
+    assert "sampler.slots=4: with an env section a group's grpo.group_size=16 episodes run together" in message
+    assert "at least 16, or 0" in message, message
+    for slots in (0, 16, 24):
+        assert load_config(Config, MULTITURN, [f"sampler.slots={slots}"]).sampler.slots == slots
+    assert load_config(Config, TINY, ["sampler.slots=2"]).sampler.slots == 2  # single-turn: the engine shares slots

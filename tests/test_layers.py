@@ -7,8 +7,8 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_jax"
 # Lowest first. A module may import modules of its own part and of the parts before it, never after.
 LAYERS = [
-    # the base: error types, config machinery, shutdown helper, sandbox, untrusted JSON text
-    {"errors", "config_io", "cleanup", "sandbox", "json_text"},
+    # the base: error types, config machinery, shutdown helper, sandbox, untrusted JSON text, platform choice
+    {"errors", "config_io", "cleanup", "sandbox", "json_text", "platform"},
     {"parallel"},  # meshes, device cuts, agreements between processes
     {"state"},  # what survives a restart: ledger, replay buffer, checkpoints, run lock
     {"data"},  # sources, tokenizers, the collector that stamps ordinals

@@ -7,7 +7,17 @@ import json
 
 import pytest
 
-from grpo_jax.state.ledger import LEDGER_FILE, Ledger, audit, main
+from grpo_jax.errors import UserError
+from grpo_jax.state.ledger import (
+    LEDGER_FILE,
+    Ledger,
+    LedgerDamaged,
+    LedgerFileMoved,
+    LedgerWriteError,
+    audit,
+    check_covered,
+    main,
+)
 
 
 def read(run_dir) -> list[dict]:
@@ -243,3 +253,115 @@ def test_a_missing_per_process_ledger_is_an_error(tmp_path):
         Ledger(tmp_path, process_index=p, process_count=3).close()
     report = audit(tmp_path)
     assert not report.ok and any("do not match their process_count" in e for e in report.errors)
+
+
+# ---------------------------------------------------------------------------------- a ledger that vanishes (issue 36)
+
+
+def damage(path, how: str) -> None:
+    """What a program (or a mistaken command) may do to a ledger: delete it, cut it back, cut it mid-line, or
+    leave it holding another run directory's lines."""
+    data = path.read_bytes()
+    if how == "deleted":
+        path.unlink()
+    elif how == "cut_at_a_line":
+        path.write_bytes(data[:data.index(b"\n") + 1])  # only the run_start line
+    elif how == "cut_mid_line":
+        path.write_bytes(data[:len(data) // 2])
+    elif how == "another_runs":
+        path.write_bytes(b'{"run":0,"seq":0,"event":"run_start","resumed_from":null}\n')
+
+
+@pytest.mark.parametrize("how", ["deleted", "cut_at_a_line", "cut_mid_line", "another_runs"])
+def test_a_resume_over_a_ledger_without_the_covered_line_is_refused_in_one_line_and_changes_nothing(tmp_path, how):
+    covers = crashed_run_0(tmp_path)
+    assert covers == {"run": 0, "seq": 2}
+    path = tmp_path / LEDGER_FILE
+    damage(path, how)
+    before = path.read_bytes() if path.exists() else None
+    with pytest.raises(LedgerDamaged) as refused:
+        Ledger(tmp_path, resumed_from={"step": 1, **covers})
+    message = str(refused.value)
+    assert isinstance(refused.value, UserError) and "\n" not in message
+    assert str(path) in message and "run 0 seq 2" in message and "checkpoint step 1" in message
+    assert "Put the file back" in message and "new run directory" in message, message
+    assert (path.read_bytes() if path.exists() else None) == before  # not created, not cut: as it was
+
+
+def test_a_torn_line_past_the_covered_one_is_what_a_crash_leaves_and_the_resume_goes_on(tmp_path):
+    covers = crashed_run_0(tmp_path)  # lines up to seq 4; the checkpoint covers seq 2
+    path = tmp_path / LEDGER_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])  # the last line (seq 4, past the cover) torn
+    check_covered(tmp_path, 1, covers)  # no complaint
+    resumed = Ledger(tmp_path, resumed_from={"step": 1, **covers})
+    train(resumed, 2, [3, 4], version=1)
+    resumed.checkpoint(2, 5, resumed.covers())
+    resumed.close()
+    report = audit(tmp_path)
+    assert report.ok and report.trained == 4 and report.handed_out == 5, report.summary()
+
+
+def test_each_process_checks_its_own_ledger_for_the_covered_line(tmp_path):
+    for p in range(2):
+        ledger = Ledger(tmp_path, process_index=p, process_count=2)
+        train(ledger, 1, [0])
+        ledger.checkpoint(1, 1, ledger.covers())
+        ledger.close()
+    (tmp_path / "events.process1.jsonl").unlink()
+    check_covered(tmp_path, 1, {"run": 0, "seq": 1}, process_index=0, process_count=2)
+    with pytest.raises(LedgerDamaged, match="events.process1.jsonl does not hold run 0 seq 1"):
+        check_covered(tmp_path, 1, {"run": 0, "seq": 1}, process_index=1, process_count=2)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced", "cut", "appended_to"])
+def test_a_ledger_changed_under_its_writer_takes_no_more_lines_and_loses_none(tmp_path, how):
+    ledger = Ledger(tmp_path)
+    train(ledger, 1, [0, 1])
+    ledger.checkpoint(1, 2, ledger.covers())
+    path = tmp_path / LEDGER_FILE
+    written = path.read_bytes()
+    if how == "deleted":
+        path.unlink()
+    elif how == "replaced":
+        other = tmp_path / "other.jsonl"
+        other.write_bytes(written)  # the same bytes, another file
+        other.rename(path)
+    elif how == "cut":
+        path.write_bytes(written[:20])  # truncated in place: the same inode
+    else:
+        with open(path, "ab") as f:
+            f.write(b'{"run":0,"seq":3,"event":"drop"}\n')
+    with pytest.raises(LedgerFileMoved) as stopped:
+        train(ledger, 2, [2, 3])
+    message = str(stopped.value)
+    assert isinstance(stopped.value, LedgerWriteError) and isinstance(stopped.value, UserError)
+    assert "\n" not in message and str(path) in message and "the run stops here" in message, message
+    for refused in (lambda: train(ledger, 2, [2, 3]), ledger.covers, lambda: ledger.drop(2, 2, 0, "overlong")):
+        with pytest.raises(LedgerFileMoved):  # nothing more, and no checkpoint can cover anything now
+            refused()
+    ledger.close()
+    if how == "deleted":
+        assert "3 lines were written back there" in message and "run the same command" in message, message
+        assert path.read_bytes() == written  # every line it wrote, back at its path
+        assert audit(tmp_path).ok
+    elif how == "replaced":
+        saved = next(tmp_path.glob(f"{LEDGER_FILE}.detached-*"))
+        assert f"saved to {saved}" in message and f"mv {saved} {path}" in message, message
+        assert saved.read_bytes() == written and path.read_bytes() == written  # the other file is left alone
+    elif how == "cut":
+        assert f"holds 20 bytes where this process wrote {len(written)}" in message, message
+        assert path.read_bytes() == written[:20]
+    else:
+        assert "cut it or wrote to it" in message and path.read_bytes().startswith(written)
+
+
+def test_a_ledger_deleted_after_its_last_line_gets_its_lines_back_when_it_closes(tmp_path, caplog):
+    ledger = Ledger(tmp_path)
+    train(ledger, 1, [0])
+    path = tmp_path / LEDGER_FILE
+    written = path.read_bytes()
+    path.unlink()
+    ledger.close()  # never raises
+    assert path.read_bytes() == written
+    assert "was deleted while this process was writing it" in caplog.text

@@ -171,17 +171,106 @@ def test_a_full_disk_before_a_metrics_line_stops_the_run_in_one_line_and_the_rer
 
 
 def test_a_config_yaml_that_cannot_be_written_is_refused_in_one_line(small_disk, monkeypatch, capsys):
-    from grpo_jax.state.run_lock import RunDirLock
+    from grpo_jax.run import trainer
 
     run = small_disk.path / "run"
-    acquire = RunDirLock.acquire
+    save_config = trainer.save_config
 
-    def acquire_then_fill(self):
-        acquire(self)
-        small_disk.fill()  # the disk fills between the lock and config.yaml
+    def fill_then_save(config, path):
+        small_disk.fill()  # the disk fills just before config.yaml
+        save_config(config, path)
 
-    monkeypatch.setattr(RunDirLock, "acquire", acquire_then_fill)
+    monkeypatch.setattr(trainer, "save_config", fill_then_save)
     assert run_train(run, "trainer.max_steps=1") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "config.yaml" in err and "No space left" in err, err
     assert not (run / "config.yaml").exists() and grpo_threads() == []
+
+
+# ------------------------------------------------------------------ files deleted under a live run (issue 36)
+
+
+def delete_at_step(monkeypatch, step: int, *names: str) -> None:
+    """After learner step `step`, delete `names` from the run directory, as a program of the run can (issue 36:
+    a sandboxed program found --run-dir on /proc and deleted events.jsonl, checkpoints/ and the lock)."""
+    import shutil
+
+    from grpo_jax.run.trainer import Trainer
+
+    learn = Trainer._learn
+
+    def learn_then_delete(self, groups, at):
+        metrics = learn(self, groups, at)
+        if at == step:
+            for name in names:
+                path = self.run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return metrics
+
+    monkeypatch.setattr(Trainer, "_learn", learn_then_delete)
+
+
+def error_lines(err: str) -> list[str]:
+    assert "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("grpo-jax: error:")]
+
+
+def run_dir_files(run) -> dict:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and not p.name.startswith("train.process")}
+
+
+def test_a_ledger_deleted_under_a_live_run_stops_it_in_one_line_with_its_lines_back_and_the_rerun_resumes(
+        tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    delete_at_step(monkeypatch, 3, "events.jsonl")
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 2
+    (error,) = error_lines(capsys.readouterr().err)
+    assert str(run / "events.jsonl") in error and "was deleted" in error and "written back" in error, error
+    assert grpo_threads() == []
+    lines = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if line["event"] == "train"] == [1, 2, 3, 4]  # every line it wrote
+    assert audit(run).ok
+
+    monkeypatch.undo()
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 0
+    report = audit(run)
+    assert report.ok and report.restarts == 1 and report.trained == 6 * 4, report.summary()
+
+
+def test_the_lock_ledger_and_checkpoints_deleted_under_a_live_run_stop_it_at_once_in_one_line(
+        tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    delete_at_step(monkeypatch, 3, "events.jsonl", "train.process0.lock", "checkpoints")
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 2
+    (error,) = error_lines(capsys.readouterr().err)
+    assert "train.process0.lock was deleted" in error, error  # at the step's end, not a heartbeat later
+    assert not (run / "checkpoints").exists()  # no save once the lock is lost: another start may hold the directory
+    assert audit(run).ok  # the ledger's lines were written back when it closed
+    assert grpo_threads() == []
+
+
+def test_checkpoints_deleted_under_a_live_run_are_saved_again_and_a_resume_needs_the_covered_ledger_line(
+        tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    delete_at_step(monkeypatch, 3, "checkpoints")
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 2
+    (error,) = error_lines(capsys.readouterr().err)
+    assert str(run / "checkpoints") in error and "saved step 4 there again" in error, error
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    monkeypatch.undo()
+
+    # Issue 36 item 11: the ledger lost (or cut back) past the line checkpoint step 3 covers: refused, nothing changed.
+    ledger = run / "events.jsonl"
+    kept = ledger.read_bytes()
+    ledger.write_bytes(kept[:len(kept) // 3])
+    before = run_dir_files(run)
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 2
+    (error,) = error_lines(capsys.readouterr().err)
+    assert str(ledger) in error and "checkpoint step 4" in error and "new run directory" in error, error
+    assert run_dir_files(run) == before and grpo_threads() == []
+
+    ledger.write_bytes(kept)  # put back from a copy: the run resumes exactly
+    assert run_train(run, "trainer.max_steps=6", "checkpoint.every_steps=2") == 0
+    report = audit(run)
+    assert report.ok and report.restarts == 1 and report.trained == 6 * 4, report.summary()

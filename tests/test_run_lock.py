@@ -279,9 +279,12 @@ def test_the_trainer_stops_at_the_next_step_when_another_start_takes_its_lock(tm
         metrics = learn(self, groups, step)
         if step == 1:
             path = lock_file(self.run_dir)
-            path.unlink()
-            path.write_text(json.dumps({"host": "elsewhere", "pid": 4242, "started": "2024-01-01T00:00:00",
-                                        "token": "theirs"}))
+            # In one rename, as a taking start writes it: between an unlink and a write the heartbeat could
+            # rightly see a deleted lock instead.
+            theirs = path.with_name(path.name + ".theirs")
+            theirs.write_text(json.dumps({"host": "elsewhere", "pid": 4242, "started": "2024-01-01T00:00:00",
+                                          "token": "theirs"}))
+            theirs.replace(path)
             assert self.run_lock.lost.wait(10)
         return metrics
 
@@ -294,3 +297,39 @@ def test_the_trainer_stops_at_the_next_step_when_another_start_takes_its_lock(tm
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [1], steps  # step 2 was learned after the lock was lost: not saved
     assert json.loads(lock_file(run_dir).read_text())["token"] == "theirs"
+
+
+@pytest.mark.parametrize("what", ["lock", "flock"])
+def test_a_holder_whose_lock_or_flock_file_was_deleted_knows_at_once_without_its_heartbeat(tmp_path, what):
+    lock = RunDirLock(tmp_path)  # the default 30 s heartbeat: only is_lost() can notice within this test
+    lock.acquire()
+    try:
+        assert not lock.is_lost()  # ours: nothing to say, and nothing slept
+        path = lock.flock_path if what == "flock" else lock_file(tmp_path)
+        path.unlink()  # what a program of the run may do (issue 36): a second start could take the directory
+        assert lock.is_lost() and lock.lost.is_set()
+        with pytest.raises(errors.RunDirError) as stopped:
+            lock.check()
+        message = str(stopped.value)
+        assert "\n" not in message and str(path) in message and "deleted" in message, message
+        assert "run the same command" in message
+    finally:
+        lock.release()
+
+
+def test_a_lock_put_back_by_a_rename_is_still_the_holders(tmp_path):
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    try:
+        path = lock_file(tmp_path)
+        copy = path.with_name("copy")
+        copy.write_bytes(path.read_bytes())
+        copy.rename(path)  # another file, the same holder (a takeover's put-back where hard links fail)
+        assert not lock.is_lost()
+        path.write_text(json.dumps({"host": "elsewhere", "pid": 4242, "started": "2024-01-01T00:00:00",
+                                    "token": "theirs"}))
+        assert lock.is_lost()
+        with pytest.raises(errors.RunDirError, match="taken over by pid 4242 on host elsewhere"):
+            lock.check()
+    finally:
+        lock.release()

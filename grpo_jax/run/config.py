@@ -141,6 +141,10 @@ class Config:
         if self.loss.aggregation == "seq_mean_token_sum_norm" and self.loss.max_completion_len <= 0:
             problems.append("loss.max_completion_len=0: aggregation seq_mean_token_sum_norm needs the constant "
                             f"normaliser (usually sampler.max_new_tokens={self.sampler.max_new_tokens})")
+        vocab, where = self.vocab_size()
+        if vocab is not None and self.sampler.top_k > vocab:
+            problems.append(f"sampler.top_k={self.sampler.top_k}: more than the model's vocabulary of {vocab} tokens "
+                            f"({where}); set at most {vocab}, or 0 (off)")
         if self.sampler.temperature == 0:
             problems.append("sampler.temperature=0: greedy sampling gives every completion of a group the same "
                             "tokens, so the group's advantages are 0 and training learns nothing; set "
@@ -173,7 +177,26 @@ class Config:
                             "prompts, not episodes; set eval.every_steps=0 with an env section")
         if self.model.replays_routing:
             problems.append("model.routing_replay=true: not recorded for episodes; set model.routing_replay=false")
+        if self.sampler.slots and self.sampler.slots < self.grpo.group_size:
+            problems.append(f"sampler.slots={self.sampler.slots}: with an env section a group's "
+                            f"grpo.group_size={self.grpo.group_size} episodes run together, one slot each; set "
+                            f"sampler.slots to at least {self.grpo.group_size}, or 0 (one step's episodes)")
         return problems
+
+    def vocab_size(self) -> tuple[int | None, str]:
+        """The model's vocabulary size and where it comes from: model.vocab_size, or model_path's config.json.
+        None when that file cannot be read here: loading the model then refuses it in one line, before any
+        compile."""
+        if not self.model_path:
+            return self.model.vocab_size, "model.vocab_size"
+        from grpo_jax.errors import UserError
+        from grpo_jax.model.hf import checkpoint_config
+
+        where = f"{self.model_path}/config.json"
+        try:
+            return checkpoint_config(self.model_path).vocab_size, where
+        except (UserError, OSError, ValueError):
+            return None, where
 
     def actor_across_hosts_problems(self) -> list[str]:
         """What this config asks of an actor whose mesh spans hosts (sharding.cut_devices) that such an actor

@@ -7,7 +7,15 @@ complete, so nothing covers it. A line that cannot be written (a full disk, EIO,
 off at once, its `seq` is not used, and the ledger refuses every later line and `covers()`
 (LedgerWriteError, one line naming the file): callers write the line BEFORE they change the accounting it
 records, so a failed line changes nothing, and no checkpoint can cover anything after it. The run stops;
-its next start resumes from the last committed checkpoint.
+its next start resumes from the last committed checkpoint. The file is also checked before each line and
+sync (LineFile.check_in_place): deleted, replaced, cut or written to by another program while the run writes
+it, it takes no more lines either (LedgerFileMoved, one line saying where its lines are now: a deleted
+ledger's lines are written back at its path).
+
+Resuming: the line the restored checkpoint covers (its `ledger_covers`) must be in the file, complete: a
+ledger deleted or cut back past it (LedgerDamaged, one line; nothing in the file is touched) would leave
+the prompts trained before the checkpoint unaccounted for, and the audit failed for good. A torn last line
+past the covered one is what a crash mid-write leaves, and is cut off as before.
 
 Reading: `audit(run_dir)` follows the surviving chain (the last run, then the run it resumed from up to
 the covered seq, and so on back to run 0; lines past a covered seq were undone by the restore) and
@@ -40,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_jax.errors import RunDirError
-from grpo_jax.state.line_file import LineFile
+from grpo_jax.state.line_file import FileMoved, LineFile
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +105,49 @@ class LedgerWriteError(RunDirError):
     takes no further line. The message is one line naming the file and the fix."""
 
 
+class LedgerFileMoved(LedgerWriteError):
+    """The ledger file was deleted, replaced, cut or written to by another program while this run wrote it;
+    the message says where its lines are now and what to do."""
+
+
+class LedgerDamaged(RunDirError):
+    """The ledger lacks the line a checkpoint being resumed covers: the run does not start, and the message
+    names the file and the fix (restore it, or start a new run directory)."""
+
+
+def check_covered(run_dir: str | os.PathLike, step: int, covers: dict, process_index: int = 0,
+                  process_count: int = 1) -> None:
+    """LedgerDamaged unless this process's ledger holds the complete line `covers` ({"run", "seq"}) that
+    checkpoint `step` covers. Reads only: call it before anything writes to the run directory."""
+    path = Path(run_dir) / ledger_file(process_index, process_count)
+    _check_covered(path, read_lines(path)[0] if path.exists() else None, step, covers)
+
+
+def _check_covered(path: Path, lines: list[dict] | None, step: int, covers: dict) -> None:
+    """check_covered on the file's lines as read_lines parsed them (None: there is no file)."""
+    run, seq = int(covers["run"]), int(covers["seq"])
+    if lines is None:
+        found = "the file does not exist"
+    else:
+        seqs = [line["seq"] for line in lines if line["run"] == run]
+        if seq in seqs:
+            return
+        found = (f"its lines of run {run} end at seq {max(seqs)}" if seqs else
+                 f"it holds no line of run {run}" if lines else "it holds no complete line")
+    raise LedgerDamaged(
+        f"the prompt ledger {path} does not hold run {run} seq {seq}, the last line that checkpoint step {step} "
+        f"covers ({found}): it was deleted or cut after that checkpoint was written, and resuming would leave "
+        "every prompt trained before it unaccounted for. Put the file back from a copy and run the same command "
+        f"again, or start a new run directory; nothing in {path.parent} was changed")
+
+
 class Ledger:
     """Appends ledger lines for one process start (`run`) of a run directory. Thread-safe.
 
     run: the lineage number; None = one more than the highest run already in the file (0 if none).
     resumed_from: None on a fresh start, else {"step": S, "run": R, "seq": N}: the checkpoint step restored
-    and the last ledger line it covers (the collector state's `ledger_covers`, plus the step).
+    and the last ledger line it covers (the collector state's `ledger_covers`, plus the step); LedgerDamaged
+    (nothing written) when the file does not hold that line.
     process_index, process_count: with several processes, the ordinals given to train/drop/checkpoint
     are this process's own (0, 1, 2, ...) and are written as global ones, local * count + index.
     """
@@ -115,7 +160,11 @@ class Ledger:
         self.path = Path(run_dir) / ledger_file(process_index, process_count)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        existed = self.path.exists()
         lines, warnings, errors, _ = read_lines(self.path)
+        if resumed_from is not None:  # before the file is opened (created, its torn tail cut): refused, it is as it was
+            resumed_from = {"step": int(resumed_from["step"]), **_line_id(resumed_from["run"], resumed_from["seq"])}
+            _check_covered(self.path, lines if existed else None, resumed_from["step"], resumed_from)
         for message in warnings + errors:
             logger.warning("ledger: %s", message)
         runs = {line["run"] for line in lines}
@@ -124,13 +173,6 @@ class Ledger:
             run = highest + 1
         elif run <= highest:
             raise ValueError(f"ledger {self.path}: run {run} is taken (highest run in the file is {highest})")
-        if resumed_from is not None:
-            resumed_from = {"step": int(resumed_from["step"]), **_line_id(resumed_from["run"], resumed_from["seq"])}
-            if resumed_from["run"] not in runs:
-                logger.warning(
-                    "ledger %s: resuming from run %d, which the ledger does not contain; the audit will "
-                    "report the chain as broken", self.path, resumed_from["run"],
-                )
         self.run = int(run)
         self._next_seq = 0
         self._file = LineFile(self.path)  # cuts a torn last line off; a failed line is cut off and ends it
@@ -162,6 +204,10 @@ class Ledger:
         try:
             yield
         except (OSError, ValueError) as e:
+            moved = earlier if isinstance(earlier, FileMoved) else e if isinstance(e, FileMoved) else None
+            if moved is not None:
+                raise LedgerFileMoved(f"the prompt ledger {self.path}: {moved.strerror}: the run stops here, and "
+                                      f"nothing it did after its last ledger line counts; {moved.remedy}") from e
             if earlier is not None:
                 what = f"it takes no more lines since a write failed ({earlier.strerror or earlier})"
             elif isinstance(e, OSError):
@@ -222,8 +268,12 @@ class Ledger:
 
     def close(self) -> None:
         """Sync and close; never raises (what could not be synced is covered by no checkpoint, and the next
-        start cuts an incomplete last line off)."""
+        start cuts an incomplete last line off). A file deleted since the last line gets its lines back."""
         with self._lock:
+            try:
+                self._file.check_in_place()
+            except FileMoved as e:
+                logger.warning("the prompt ledger %s: %s; %s", self.path, e.strerror, e.remedy)
             self._file.close()
 
     def __enter__(self) -> Ledger:

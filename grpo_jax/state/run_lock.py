@@ -27,8 +27,12 @@ it renamed and goes on only if that is the lock it judged (same file, same conte
 back and judges again.
 
 The holder checks its lock at every heartbeat: when the file no longer holds its token (taken over, or
-deleted) `lost` is set and check() raises RunDirError naming who has it; the trainer calls check() at
-every learner step and stops.
+deleted) `lost` is set and check() raises RunDirError naming who has it. The trainer also looks at once, at
+every learner step (is_lost(): is the lock file at its path the one this holder created, same st_dev and
+st_ino, and is the flock file the one it holds the flock on?), and stops with check(): a lock or flock file
+deleted under a live run (by hand, or by a program the run started) would let a second start in. watch()
+adds other paths the run keeps there (the trainer's checkpoints/): moved() names those deleted or replaced
+since, for the trainer to save and stop.
 
 What this does not guarantee on a shared filesystem without flock: O_EXCL creation must be atomic (NFSv3+
 is; gcsfuse is not strictly); the heartbeat rule trusts clocks to agree within a minute or so and treats a
@@ -101,6 +105,17 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+def _same_file(path: pathlib.Path, opened: os.stat_result) -> bool:
+    """Whether `path` still leads to the open file whose fstat is `opened` (True when it cannot be looked at)."""
+    try:
+        seen = path.stat()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return (seen.st_dev, seen.st_ino) == (opened.st_dev, opened.st_ino)
+
+
 def _same_kernel(holder: dict) -> bool:
     """Whether the holder ran on this machine since its last boot (so flock and, in one PID namespace, pids
     speak about it). Without boot ids on either side (not Linux): the host name."""
@@ -128,7 +143,10 @@ class RunDirLock:
                        "flock": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "token": uuid.uuid4().hex}
         self.lost = threading.Event()  # set by the heartbeat when the lock is no longer this run's
         self._lost_to: dict | None = None  # who holds it then (None: the file was deleted)
+        self._flock_gone = False  # lost because the flock file was deleted
         self._flock_fd: int | None = None
+        self._created: tuple[int, int] | None = None  # (st_dev, st_ino) of the lock file this holder created
+        self._watched: dict[pathlib.Path, os.stat_result] = {}  # see watch()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -195,6 +213,9 @@ class RunDirLock:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(self.holder) + "\n")
+                f.flush()
+                created = os.fstat(f.fileno())
+            self._created = (created.st_dev, created.st_ino)
         except OSError as e:
             self.path.unlink(missing_ok=True)
             raise RunDirError(f"run directory {self.run_dir}: cannot write {self.path.name} "
@@ -330,12 +351,18 @@ class RunDirLock:
             f"a running process holds the flock on {self.flock_path}, so the lock is free only once it exits"))
 
     def _lost_message(self) -> str:
+        if self._flock_gone:
+            return (f"run directory {self.run_dir}: the file {self.flock_path} that this run holds its flock on was "
+                    "deleted, so another start could take the directory; this run stops lest two trainers write one "
+                    "directory (was it deleted by hand, or by a program the run started?); run the same command "
+                    "again to resume from the last committed checkpoint")
         taker = self._lost_to
         what = ("was deleted" if taker is None else
                 f"was taken over by pid {taker.get('pid')} on host {taker.get('host')} (since {taker.get('started')})")
         return (f"run directory {self.run_dir}: this run's lock {self.path} {what}, so this run stops lest two "
                 f"trainers write one directory (did its heartbeat stop for more than {STALE_AFTER_S:.0f}s, or was "
-                "the lock deleted by hand?); run the same command again to resume once the other run has ended")
+                "the lock deleted, by hand or by a program the run started?); run the same command again to resume "
+                "once the other run has ended")
 
     # -- holding the lock -----------------------------------------------------------------------------------
 
@@ -369,6 +396,49 @@ class RunDirLock:
                            self.path, "deleted" if holder is None else
                            f"pid {holder.get('pid')} on host {holder.get('host')} holds it")
             return
+
+    def is_lost(self) -> bool:
+        """Look now, without waiting for the heartbeat: True (and `lost` set) when the lock file at its path is
+        not the one this holder created and does not hold its token (deleted, or another start's), or when the
+        flock file this holder has the flock on is no longer at its path (a start would flock a new one)."""
+        if self.lost.is_set() or self._heartbeat is None:
+            return self.lost.is_set()
+        if self._flock_fd is not None and not _same_file(self.flock_path, os.fstat(self._flock_fd)):
+            self._lost_to, self._flock_gone = None, True
+            self.lost.set()
+            return True
+        try:
+            seen = self.path.stat()
+        except FileNotFoundError:
+            seen = None
+        except OSError:
+            return False  # cannot look (a flaky mount): the heartbeat looks again
+        if seen is not None and self._created is not None and (seen.st_dev, seen.st_ino) == self._created:
+            return False
+        if seen is None:
+            # A start that moved the lock by mistake puts it back at once (see _put_back): look again first.
+            time.sleep(min(self.heartbeat_s, 1.0))
+        try:
+            holder, _ = self._read()
+        except FileNotFoundError:
+            holder = None
+        except OSError:
+            return False
+        if holder is not None and holder.get("token") == self.holder["token"]:
+            return False  # ours, though another file (put back by a rename where hard links fail)
+        self._lost_to = holder
+        self.lost.set()
+        return True
+
+    def watch(self, path: str | os.PathLike) -> None:
+        """Notice (moved()) when `path`, a file or directory the run keeps in its run directory, is deleted or
+        another one put in its place."""
+        path = pathlib.Path(path)
+        self._watched[path] = path.stat()
+
+    def moved(self) -> list[pathlib.Path]:
+        """The watched paths that are deleted or no longer the ones watched (their st_dev and st_ino)."""
+        return [path for path, seen in self._watched.items() if not _same_file(path, seen)]
 
     def check(self, lost_elsewhere: bool = False) -> None:
         """RunDirError (one line) if this run's lock was taken over or deleted; with lost_elsewhere (another
