@@ -415,3 +415,21 @@ def test_gemma3_local_layers_keep_only_their_window_and_draw_what_the_static_sam
         for j in range(G):
             np.testing.assert_allclose(result.logprobs[j], _full_forward_logprobs(model, prompts[i], result.tokens[j]),
                                        atol=1e-4)
+
+
+def test_every_path_refuses_a_top_k_above_the_vocabulary_in_one_line(model):
+    """The trainer's paths too (submit/step, the continuation engine's extend), not only generate: lax.top_k would
+    fail inside their first program with a raw JAX error (issue 36.13; Config.validate refuses it for a run)."""
+    from grpo_jax.rollout.continuation import ContinuationEngine
+
+    config = SamplerConfig(engine="continuous", top_k=VOCAB + 1, max_new_tokens=8, max_prompt_len=8, slots=8,
+                           decode_streams=1)
+    message = f"top_k={VOCAB + 1}: must be <= vocab_size={VOCAB}"
+    engine = Engine(model, (), PAD, config)
+    with pytest.raises(ValueError, match="generate: " + message):
+        engine.generate([[1, 2, 3]], 0)
+    with pytest.raises(ValueError, match="submit: " + message):
+        engine.submit([1, 2, 3], jax.random.split(jax.random.key(0), 2))
+    rows = ContinuationEngine(model, (5,), PAD, config, rows=2, context=16)
+    with pytest.raises(ValueError, match="extend: " + message):
+        rows.extend([[1, 2, 3], None], [True, False], np.zeros((2, 2), np.uint32), [4, 1])

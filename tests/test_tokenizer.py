@@ -390,7 +390,8 @@ def test_min_tokens_refuses_long_texts_only_where_it_can_prove_it():
     assert Tokenizer(stripping._tok).min_tokens(long_text) == 0
 
 
-# Gemma 3's instruct template as google/gemma-3 checkpoints ship it: the BOS written by the template, a system message folded into the first user turn,
+# Gemma 3's instruct template as google/gemma-3 checkpoints ship it: the BOS written by the template, a system
+# message folded into the first user turn,
 # "assistant" named "model", contents trimmed, roles that must alternate.
 GEMMA3_TEMPLATE = r"""{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}

@@ -188,6 +188,13 @@ def checked_config(config):
     return config
 
 
+def check_top_k(top_k: int, vocab_size: int, where: str) -> None:
+    """top_k above the model's vocabulary refused in one line (lax.top_k would fail on it inside a program).
+    Config.validate refuses it for a run; this is for the engines' own callers."""
+    if top_k > vocab_size:
+        raise ValueError(f"{where}: top_k={top_k}: must be <= vocab_size={vocab_size} (0 means off)")
+
+
 def checked_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int) -> np.ndarray:
     """The prompts' lengths [B] int32; a ValueError naming the prompt for an empty one or one over the limit."""
     if len(prompts) == 0:

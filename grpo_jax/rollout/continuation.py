@@ -54,6 +54,7 @@ from grpo_jax.rollout.common import (
     abstract_arrays,
     bucket,
     cache_layout,
+    check_top_k,
     draw_uniforms,
     is_abstract,
     merged,
@@ -113,6 +114,7 @@ class ContinuationEngine:
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.pad_id = int(pad_id)
         self.rows, self.context = int(rows), int(context)
+        self.vocab_size = model.config.vocab_size
         # Room for the longest sequence plus the next program's columns; compaction keeps it there.
         self.columns = 2 * bucket(self.context, MIN_APPEND_BUCKET)
         self.graphdef, self.state = nnx.split(model)
@@ -174,6 +176,7 @@ class ContinuationEngine:
         most tokens the row may sample in this turn (>= 1)."""
         if len(appended) != self.rows or len(restart) != self.rows or len(turn_tokens) != self.rows:
             raise ValueError(f"extend: one entry per row ({self.rows})")
+        check_top_k(self.sampling.top_k, self.vocab_size, "extend")
         lengths = np.array([len(a) if a is not None else 0 for a in appended], np.int64)
         if not lengths.any():
             raise ValueError("extend: no row has ids to append")

@@ -68,6 +68,7 @@ from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: a
     abstract_arrays,
     bucket,
     cache_layout,
+    check_top_k,
     checked_config,
     checked_prompts,
     draw_uniforms,
@@ -256,6 +257,7 @@ class Engine:
         """Queue one prompt with one key per sample (typed keys or raw uint32 key data [G, 2]); its group
         comes back from step() once every sample has finished."""
         cfg = self.config
+        check_top_k(self.sampling.top_k, self.vocab_size, "submit")
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         if len(prompt) == 0:
             raise ValueError("submit: the prompt is empty")
@@ -368,8 +370,7 @@ class Engine:
                                        top_k=sampling.top_k).validate()
         if problems:
             raise ValueError("invalid sampling arguments: " + "; ".join(problems))
-        if sampling.top_k > self.vocab_size:
-            raise ValueError(f"top_k={sampling.top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
+        check_top_k(sampling.top_k, self.vocab_size, "generate")
         n = len(prompts)
         checked_prompts(prompts, cfg.max_prompt_len)
         if isinstance(keys, (int, np.integer)):

@@ -57,6 +57,7 @@ from grpo_jax.rollout.common import (  # SampleResult, cache_layout, weights_mes
     abstract_arrays,
     bucket,
     cache_layout,
+    check_top_k,
     checked_config,
     checked_prompts,
     merged,
@@ -205,8 +206,7 @@ class Sampler:
                                        top_k=top_k).validate()
         if problems:
             raise ValueError("invalid sampling arguments: " + "; ".join(problems))
-        if top_k > self.vocab_size:
-            raise ValueError(f"top_k={top_k}: must be <= vocab_size={self.vocab_size} (0 means off)")
+        check_top_k(top_k, self.vocab_size, "generate")
         n = len(prompts)
         lens = checked_prompts(prompts, cfg.max_prompt_len)
 
