@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import types
 
 import pytest
 
@@ -594,7 +595,8 @@ def test_plain_prompts_start_with_the_bos_in_training_evaluation_and_generate(tm
             given.extend(prompts)
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_io, "load_hf_model", lambda *args, **kwargs: (None, tok))
+    stub = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=tok.vocab_size))  # for --top-k's check
+    monkeypatch.setattr(hf_io, "load_hf_model", lambda *args, **kwargs: (stub, tok))
     monkeypatch.setattr(sampler, "Sampler", RecordingSampler)
     (tmp_path / "prompts.txt").write_text("What is 2+2?\n")
     for chat in ([], ["--chat"]):
