@@ -209,7 +209,7 @@ def test_rows_nested_too_deep_or_with_too_long_an_integer_are_bad_rows_and_the_s
     assert collector.is_drained()
     # Evaluation reads held-out rows through the same source: the deep row is one of its bad rows too.
     source = data.JsonlSource(path)
-    with pytest.raises(data._RowError, match="bad_json: deep.jsonl line 2: nested 2001 deep"):
+    with pytest.raises(data.BadRow, match="bad_json: deep.jsonl line 2: nested 2001 deep"):
         source[1]
 
 
@@ -219,12 +219,12 @@ def test_json_value_refuses_a_row_nested_deeper_than_it_reads():
     for _ in range(json_text.MAX_DEPTH):
         deep = [deep]
     assert data.json_value({"meta": deep[0]}) == {"meta": deep[0]}
-    with pytest.raises(data._RowError, match=r"unsupported_value: row\['meta'\]\[0\]\[0\].* is nested more than 100 "
+    with pytest.raises(data.BadRow, match=r"unsupported_value: row\['meta'\]\[0\]\[0\].* is nested more than 100 "
                                              r"deep"):
         data.json_value({"meta": deep})
     for _ in range(2000):
         deep = (deep,)
-    with pytest.raises(data._RowError, match="nested more than 100 deep"):
+    with pytest.raises(data.BadRow, match="nested more than 100 deep"):
         data.json_value(deep)
 
 

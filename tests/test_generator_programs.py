@@ -128,11 +128,6 @@ KNOWN = {
     "grpo_jax/data/pipeline.py: ._deserialize",  # tfds's DataSource, split in two to check a row's size first
     "grpo_jax/data/pipeline.py: ._tok",  # data.tokenizer.Tokenizer's tokenizers.Tokenizer, for its hash
     "grpo_jax/data/pipeline.py: ._template",  # data.tokenizer.Tokenizer's compiled template, cleared when pickled
-    "grpo_jax/run/evaluation.py: import _check_fields",  # data.pipeline's held-out reading (issue 37, part 1)
-    "grpo_jax/run/evaluation.py: import _resolve_file",
-    "grpo_jax/run/evaluation.py: import _RowError",
-    "grpo_jax/run/evaluation.py: import _ToRecord",
-    "grpo_jax/run/evaluation.py: ._prompt_text",
 }
 
 

@@ -88,8 +88,9 @@ _READ_THREADS = 2
 _PREFETCH_BUFFER = 64
 
 
-class _RowError(Exception):
-    """One malformed row; becomes a bad_row record, never stops the stream."""
+class BadRow(Exception):
+    """One malformed row (`reason` from BAD_ROW_REASONS, `detail` one line): a source's [i] or RowReader's
+    prompt_text raises it; the stream makes it a bad_row record and goes on."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -202,12 +203,12 @@ def _template_fields(template: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-# ---- sources: len(), [i] -> the raw record (or _RowError), raw(i) -> bytes for fingerprints ---------------
+# ---- sources: len(), [i] -> the raw record (or BadRow), raw(i) -> bytes for fingerprints ---------------
 # A source refuses a row over its max_row_bytes (0: no limit) in [i], from the row's size alone.
 
 
-def _row_too_large(size: int, limit: int) -> _RowError:
-    return _RowError("row_too_large", f"{size} bytes > data.max_row_bytes={limit}")
+def _row_too_large(size: int, limit: int) -> BadRow:
+    return BadRow("row_too_large", f"{size} bytes > data.max_row_bytes={limit}")
 
 
 class JsonlSource:
@@ -277,14 +278,14 @@ class JsonlSource:
         try:
             text = raw.decode(encoding)
         except UnicodeDecodeError as e:
-            raise _RowError("bad_json", f"{where}: not {encoding} text ({e.reason} at byte {e.start})") from None
+            raise BadRow("bad_json", f"{where}: not {encoding} text ({e.reason} at byte {e.start})") from None
         try:
             # Bounded: a row nested thousands deep, or a 5000-digit integer, is a bad row, not an exception that
             # stops the run on every resume; and every later walk of the row (json_value, a checkpoint, a reward's
             # copy) stays far from the recursion limit. NaN stays readable: pandas writes it (json_value names it).
             return json_text.loads(text, max_depth=json_text.MAX_DEPTH, allow_nan=True)
         except json_text.JSONTextError as e:
-            raise _RowError("bad_json", f"{where}: {e}") from None
+            raise BadRow("bad_json", f"{where}: {e}") from None
 
     def identity(self) -> dict:
         # The file name, size and content, not its directory: the same data under another mount still resumes.
@@ -462,21 +463,23 @@ def json_value(value: Any, where: str = "row", depth: int = 0) -> Any:
             return base64.b64encode(value).decode("ascii")
     if isinstance(value, (dict, list, tuple)) and depth >= json_text.MAX_DEPTH:
         shown = where if len(where) <= 60 else where[:60] + "..."
-        raise _RowError("unsupported_value", f"{shown} is nested more than {json_text.MAX_DEPTH} deep")
+        raise BadRow("unsupported_value", f"{shown} is nested more than {json_text.MAX_DEPTH} deep")
     if isinstance(value, dict):
         return {str(k): json_value(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, np.ndarray):
         return json_value(value[()] if value.ndim == 0 else list(value), where, depth)
-    raise _RowError("unsupported_value", f"{where} is a {type(value).__name__}, which has no JSON form")
+    raise BadRow("unsupported_value", f"{where} is a {type(value).__name__}, which has no JSON form")
 
 
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8")
 
 
-def _resolve_file(config: DataConfig) -> Path:
+def source_file(config: DataConfig) -> Path:
+    """The file a jsonl or parquet source reads: data.path, or its split's file when data.path is a directory
+    (DataError naming the splits there when it has none)."""
     path = Path(config.path)
     if path.is_dir():
         path = path / f"{config.split}.{config.source}"
@@ -495,9 +498,9 @@ def open_source(config: DataConfig):
     if problems:
         raise DataError("invalid data config: " + "; ".join(problems))
     if config.source == "jsonl":
-        source = JsonlSource(_resolve_file(config), config.row_bytes_limit())
+        source = JsonlSource(source_file(config), config.row_bytes_limit())
     elif config.source == "parquet":
-        source = ParquetSource(_resolve_file(config), config.row_bytes_limit())
+        source = ParquetSource(source_file(config), config.row_bytes_limit())
     elif config.source == "tfds":
         source = TfdsSource(config.tfds_name, config.split, config.tfds_data_dir, config.row_bytes_limit())
     else:  # rows of a few dozen bytes
@@ -516,13 +519,13 @@ def _describe(config: DataConfig) -> str:
     return f"synthetic {config.synthetic_task}"
 
 
-def _check_fields(config: DataConfig, source) -> None:
+def check_fields(config: DataConfig, source) -> None:
     """Refuse up front a field name no row has (else every row would come out bad_row). Checked against the
     first row that is a JSON object; rows missing a field later become bad_row missing_field."""
     for i in range(min(len(source), 100)):
         try:
             row = source[i]
-        except _RowError:
+        except BadRow:
             continue
         if isinstance(row, dict):
             break
@@ -550,8 +553,10 @@ def _picklable(tokenizer):
     return tokenizer
 
 
-class _ToRecord:
-    """(epoch, dataset_index) -> a prompt record, or a bad_row record for a malformed row.
+class RowReader:
+    """(epoch, dataset_index) -> a prompt record, or a bad_row record for a malformed row: the training stream's
+    map, and how readers outside it (held-out evaluation) read rows as training does. prompt_text(row): the row's
+    prompt text (BadRow for a malformed row).
 
     A prompt longer than data.max_prompt_len, or than sampler_max_prompt_len (what the sampler can take; 0:
     no such limit), is a bad row: it could never be sampled. A text longer than the limit in characters is
@@ -573,39 +578,39 @@ class _ToRecord:
         record = {"dataset_index": index, "epoch": epoch}
         try:
             row = json_value(self.source[index])
-            text = self._prompt_text(row)
+            text = self.prompt_text(row)
             chat = self.config.prompt_format == "chat"
             if len(text) > self.limit:  # a shorter text is quick to tokenize
                 at_least = self.tokenizer.min_tokens(text) + (0 if chat else len(self.tokenizer.prompt_prefix))
                 if at_least > self.limit:
-                    raise _RowError("prompt_too_long", f"at least {at_least} tokens ({len(text)} characters) > "
+                    raise BadRow("prompt_too_long", f"at least {at_least} tokens ({len(text)} characters) > "
                                                        f"{self.limit_key}={self.limit}")
             ids = self.tokenizer.encode_prompt(text, chat=chat)
             if len(ids) > self.limit:
-                raise _RowError("prompt_too_long", f"{len(ids)} tokens > {self.limit_key}={self.limit}")
-        except _RowError as e:
+                raise BadRow("prompt_too_long", f"{len(ids)} tokens > {self.limit_key}={self.limit}")
+        except BadRow as e:
             return {**record, "bad_row": e.reason, "detail": e.detail}
         return {**record, "row": row, "prompt_text": text, "prompt_ids": np.asarray(ids, np.int32)}
 
-    def _prompt_text(self, row: Any) -> str:
+    def prompt_text(self, row: Any) -> str:
         c = self.config
         if not isinstance(row, dict):
-            raise _RowError("not_an_object", f"expected a JSON object, got {type(row).__name__}")
+            raise BadRow("not_an_object", f"expected a JSON object, got {type(row).__name__}")
         for field in (c.prompt_field, c.answer_field):
             if field and field not in row:
-                raise _RowError("missing_field", f"no field {field!r}")
+                raise BadRow("missing_field", f"no field {field!r}")
         prompt = row[c.prompt_field]
         if not isinstance(prompt, str):
-            raise _RowError("bad_field_type", f"{c.prompt_field!r} is {type(prompt).__name__}, expected a string")
+            raise BadRow("bad_field_type", f"{c.prompt_field!r} is {type(prompt).__name__}, expected a string")
         if not prompt.strip():
-            raise _RowError("empty_prompt", f"{c.prompt_field!r} is empty")
+            raise BadRow("empty_prompt", f"{c.prompt_field!r} is empty")
         if c.template:
             try:
                 prompt = c.template.format(**row)
             except KeyError as e:
-                raise _RowError("missing_field", f"no field {e.args[0]!r} (used by the template)") from None
+                raise BadRow("missing_field", f"no field {e.args[0]!r} (used by the template)") from None
             except (ValueError, TypeError, IndexError, AttributeError) as e:
-                raise _RowError("template_error", f"template failed: {e}") from None
+                raise BadRow("template_error", f"template failed: {e}") from None
         if c.prompt_format == "plain":
             return prompt
         messages = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
@@ -714,7 +719,7 @@ def make_data_iterator(config: DataConfig, tokenizer, shard_index: int = 0, shar
         raise DataError(f"shard_index={shard_index}, shard_count={shard_count}: "
                         "need 0 <= shard_index < shard_count")
     source = open_source(config)
-    _check_fields(config, source)
+    check_fields(config, source)
     if config.prompt_format == "chat" and tokenizer.chat_template is None:
         raise DataError(f"prompt_format=chat: tokenizer {tokenizer.source} has no chat template")
     rows = len(source)
@@ -725,7 +730,7 @@ def make_data_iterator(config: DataConfig, tokenizer, shard_index: int = 0, shar
     ds = ds.repeat(config.num_epochs or None)  # None: forever (length sys.maxsize)
     ds = ds.map_with_index(_EpochOf(rows))
     ds = ds[shard_index::shard_count]
-    ds = ds.map(_ToRecord(source, config, tokenizer, sampler_max_prompt_len))
+    ds = ds.map(RowReader(source, config, tokenizer, sampler_max_prompt_len))
     it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=_READ_THREADS, prefetch_buffer_size=_PREFETCH_BUFFER))
     if config.worker_count > 0:
         # Grain 0.2.18's mp_prefetch reads an absl flag and fails with UnparsedFlagAccessError outside

@@ -48,15 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algorithm.rewards import RewardSpec, RewardSuite
-from grpo_jax.data.pipeline import (
-    DataConfig,
-    _check_fields,
-    _resolve_file,
-    _RowError,
-    _ToRecord,
-    json_value,
-    open_source,
-)
+from grpo_jax.data.pipeline import BadRow, DataConfig, RowReader, check_fields, json_value, open_source, source_file
 from grpo_jax.errors import DataError
 
 if TYPE_CHECKING:
@@ -161,9 +153,9 @@ def _prompt_digest(text: str) -> bytes:
 
 
 def _template_text(source, data: DataConfig, tokenizer: Tokenizer) -> Callable[[dict], str]:
-    """row -> its prompt text before any chat template (raises data._RowError for a bad row)."""
+    """row -> its prompt text before any chat template (raises BadRow for a bad row)."""
     plain = dataclasses.replace(data, prompt_format="plain", system_prompt="", chat_template_kwargs={})
-    return _ToRecord(source, plain, tokenizer)._prompt_text
+    return RowReader(source, plain, tokenizer).prompt_text
 
 
 def _training_prompts(data: DataConfig, tokenizer: Tokenizer) -> set[bytes]:
@@ -174,7 +166,7 @@ def _training_prompts(data: DataConfig, tokenizer: Tokenizer) -> set[bytes]:
     for index in range(len(source)):
         try:
             digests.add(_prompt_digest(text_of(json_value(source[index]))))
-        except _RowError:
+        except BadRow:
             continue  # a bad row is never trained
     return digests
 
@@ -187,16 +179,16 @@ def held_out_records(config: Config, tokenizer: Tokenizer) -> list[dict]:
     source = open_source(eval_data)
     where = _describe_eval(eval_data)
     if eval_data.source in ("jsonl", "parquet") and (
-            _resolve_file(eval_data).resolve() == _resolve_file(train_data).resolve()):
+            source_file(eval_data).resolve() == source_file(train_data).resolve()):
         raise DataError(f"eval.split={config.eval.split!r}, eval.path={config.eval.path!r}: evaluation would read "
-                        f"the training file {_resolve_file(train_data)}; point eval.path (or, when data.path is a "
+                        f"the training file {source_file(train_data)}; point eval.path (or, when data.path is a "
                         "directory, eval.split) at held-out rows")
-    _check_fields(eval_data, source)
+    check_fields(eval_data, source)
     if eval_data.prompt_format == "chat" and tokenizer.chat_template is None:
         raise DataError(f"prompt_format=chat: tokenizer {tokenizer.source} has no chat template")
     training = _training_prompts(train_data, tokenizer)
 
-    to_record = _ToRecord(source, eval_data, tokenizer, config.sampler.max_prompt_len)
+    to_record = RowReader(source, eval_data, tokenizer, config.sampler.max_prompt_len)
     text_of = _template_text(source, eval_data, tokenizer)
     wanted = config.eval.num_prompts or len(source)
     records, seen, overlapping, repeated, bad = [], set(), 0, 0, collections.Counter()
@@ -233,7 +225,7 @@ def _describe_eval(data: DataConfig) -> str:
         return f"synthetic {data.synthetic_task} (seed {data.seed}, {data.synthetic_size} rows)"
     if data.source == "tfds":
         return f"tfds {data.tfds_name}:{data.split}"
-    return str(_resolve_file(data))
+    return str(source_file(data))
 
 
 # ------------------------------------------------------------------------------------------ evaluating
