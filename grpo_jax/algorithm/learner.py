@@ -91,124 +91,17 @@ import optax
 from flax import nnx
 
 from grpo_jax.algorithm.losses import LossConfig, Trajectories, count_sequences, policy_loss, sequences_of
+from grpo_jax.algorithm.optim import (  # also importable from here, as before
+    OptimConfig,
+    at_learner_step,
+    learning_rate_schedule,
+    make_optimizer,
+)
 from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
 from grpo_jax.model.transformer import Transformer, positions_from_mask
 from grpo_jax.parallel.sharding import constrain_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    decay_steps: int = 0  # cosine decay over this many steps after warmup; 0 keeps lr constant
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    # Rows per micro-batch: one sequence each, or several when packed (a packed row is as long as a padded
-    # one, so a micro-batch's activations are the same size). 0 = the whole mini-batch at once.
-    micro_batch_size: int = 0
-    mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
-    epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
-    max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
-    # Completion positions whose logits exist at once (chunked_logprobs): the compiled step holds a few float32
-    # buffers of rows x this x vocab (the logits, their softmax and its gradient; more with top-p or top-k and the
-    # entropy: docs/benchmarks.md), none of rows x max_new_tokens x vocab. 0: all positions at once.
-    logprob_chunk: int = 128
-    # Micro-batches counted in tokens: each holds micro_batch_tokens // (the learner's row length, prompt bucket
-    # + completion bucket) rows. 0: micro_batch_size rows. Set at most one of the two.
-    micro_batch_tokens: int = 0
-    # Several sequences per learner row (pack_sequences: first-fit decreasing into rows of the padded row's
-    # length; attention within each sequence only, positions restarting): the padded layout's loss, gradients
-    # and metrics on fewer rows. false: one sequence per row (pack_batch).
-    packing: bool = True
-    # The packed row count is rounded up to one of at most this many sizes (packed_row_sizes): at most this many
-    # learner programs compile over a run.
-    packing_buckets: int = 8
-    # For grpo-jax compile's projection only (time and MFU at the expected fill): the mean prompt and completion
-    # lengths (tokens) a step is expected to have. 0: the buckets (every row full), so nothing is promised that
-    # was not measured; the learner's metrics report the real ones (length/mean, learner/padding_fraction*).
-    expected_prompt_len: int = 0
-    expected_completion_len: int = 0
-
-    @property
-    def updates_per_step(self) -> int:
-        return self.mini_batches * self.epochs
-
-    def micro_batch_rows(self, row_length: int) -> int:
-        """Learner rows per micro-batch for rows of `row_length` tokens (0: the whole mini-batch at once)."""
-        if self.micro_batch_tokens:
-            return max(1, self.micro_batch_tokens // row_length)
-        return self.micro_batch_size
-
-    def validate(self) -> list[str]:
-        problems = []
-        if self.lr <= 0:
-            problems.append(f"lr={self.lr}: must be > 0")
-        for key in ("warmup_steps", "decay_steps", "micro_batch_size", "logprob_chunk", "micro_batch_tokens",
-                    "expected_prompt_len", "expected_completion_len"):
-            if getattr(self, key) < 0:
-                problems.append(f"{key}={getattr(self, key)}: must be >= 0")
-        if self.micro_batch_size and self.micro_batch_tokens:
-            problems.append(f"micro_batch_tokens={self.micro_batch_tokens}: set it or micro_batch_size "
-                            f"(now {self.micro_batch_size}), not both (set the other to 0)")
-        for key in ("mini_batches", "epochs", "packing_buckets"):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)}: must be >= 1")
-        if not 0 <= self.min_lr_ratio <= 1:
-            problems.append(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        if self.weight_decay < 0:
-            problems.append(f"weight_decay={self.weight_decay}: must be >= 0")
-        for key in ("b1", "b2"):
-            if not 0 <= getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)}: must be in [0, 1)")
-        if self.eps <= 0:
-            problems.append(f"eps={self.eps}: must be > 0")
-        if self.grad_clip < 0:
-            problems.append(f"grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
-        if self.max_nonfinite_in_row < 1:
-            problems.append(f"max_nonfinite_in_row={self.max_nonfinite_in_row}: must be >= 1")
-        return problems
-
-
-def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
-    """The learning rate as a function of the learner-step index (every update of a step runs at its rate).
-
-    Warm-up: steps 0 .. W-1 (W = warmup_steps) ramp linearly over lr / (W + 1), 2 lr / (W + 1), ...,
-    W lr / (W + 1), and step W runs at lr, where the cosine decay over decay_steps (if any) starts. The ramp
-    starts above zero because a step at lr 0 would change nothing while its groups are recorded as trained."""
-    warmup = optax.linear_schedule(config.lr / (config.warmup_steps + 1), config.lr, max(config.warmup_steps, 1))
-    if config.decay_steps:
-        decay = optax.cosine_decay_schedule(config.lr, config.decay_steps, alpha=config.min_lr_ratio)
-    else:
-        decay = optax.constant_schedule(config.lr)
-    return optax.join_schedules([warmup, decay], [config.warmup_steps])
-
-
-def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
-    """Global-norm clipping and AdamW at learning_rate_schedule's rate. The schedule reads optax's own count,
-    which the learner step sets to the learner-step index before every update (at_learner_step)."""
-    parts = [optax.clip_by_global_norm(config.grad_clip)] if config.grad_clip else []
-    parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
-                             weight_decay=config.weight_decay))
-    return optax.chain(*parts)
-
-
-def at_learner_step(opt_state, step_index):
-    """opt_state with the learning-rate schedule's count set to the learner-step index. optax advances that
-    count per applied update, and a skipped update keeps the old state, so the count alone would drift behind
-    the steps; AdamW's own count (its bias correction) is left alone: it rightly counts applied updates. The
-    state's structure is unchanged, so checkpoints written before this rule restore as they are."""
-    def set_count(state):
-        if isinstance(state, optax.ScaleByScheduleState):
-            return state._replace(count=jnp.asarray(step_index, state.count.dtype))
-        return state
-
-    return jax.tree.map(set_count, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 
 @jax.tree_util.register_dataclass
