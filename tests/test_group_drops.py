@@ -1,8 +1,9 @@
-"""Which finished groups the actor trains and which it drops (rollout.actor.drop_reason, shared by the static and
+"""Which finished groups the actor trains and which it drops (rollout.grouping.verdict, shared by the static and
 streaming path, Actor._finish, and the episodes' path, Actor._finish_episodes): the decision is taken on the
 advantages the group would train with (group_advantages', or env.advantage's), so with grpo.filter_zero_variance a
 group is dropped as zero_variance exactly when every scored sample's advantage is 0: its policy term has no gradient.
-Driven on an Actor without a model (its device-free attributes set by hand)."""
+The verdict is tested alone (pure, no thread); the actor's two paths are driven on an Actor without a model (its
+device-free attributes set by hand)."""
 
 import collections
 import types
@@ -13,9 +14,10 @@ import pytest
 from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
 from grpo_jax.algorithm.rewards import RewardResult
 from grpo_jax.envs.trajectory import Segment
-from grpo_jax.rollout.actor import TOO_FEW_SAMPLES, Actor, drop_reason, without_signal
+from grpo_jax.rollout.actor import Actor
 from grpo_jax.rollout.common import GroupResult
 from grpo_jax.rollout.episodes import EpisodeResult
+from grpo_jax.rollout.grouping import Drop, Judged, Keep, verdict, without_signal
 
 G = 4
 
@@ -133,7 +135,7 @@ def test_the_static_path_takes_the_same_decisions():
 
 @pytest.mark.parametrize("valid, advantages, overlong, expected", [
     ([1, 1, 0, 0], [1.0, -1.0, 0.0, 0.0], None, None),
-    ([1, 0, 0, 0], [0.0, 0.0, 0.0, 0.0], None, TOO_FEW_SAMPLES),
+    ([1, 0, 0, 0], [0.0, 0.0, 0.0, 0.0], None, "too_few"),
     ([1, 1, 1, 1], [np.inf, 0.0, 0.0, 0.0], None, "reward_error"),
     ([1, 1, 1, 1], [1.0, -1.0, 0.0, 0.0], [1, 1, 1, 1], "overlong"),
     ([1, 1, 1, 1], [1.0, -1.0, 0.0, 0.0], [1, 1, 1, 0], None),
@@ -142,9 +144,63 @@ def test_the_static_path_takes_the_same_decisions():
     ([1, 1, 1, 1], [0.5, 0.5, 0.5, 0.5], None, None),
     ([1, 1, 1, 1], [0.0, 0.0, 0.0, 1e-30], None, None),  # exactly: a tiny advantage is still a gradient
 ])
-def test_drop_reason(valid, advantages, overlong, expected):
+def test_verdict(valid, advantages, overlong, expected):
     valid, advantages = np.asarray(valid, bool), np.asarray(advantages, np.float32)
-    overlong = None if overlong is None else np.asarray(overlong, bool)
-    assert drop_reason(valid, advantages, True, overlong) == expected
+    judged = Judged(valid=valid, rewards=np.ones(G, np.float32), advantages=advantages, failure="too_few",
+                    failure_detail="why", overlong=None if overlong is None else np.asarray(overlong, bool))
+    outcome = verdict(judged, filter_zero_variance=True)
+    if expected is None:
+        assert isinstance(outcome, Keep) and outcome.zero_variance is False
+        np.testing.assert_array_equal(outcome.advantages, advantages)
+        return
+    assert isinstance(outcome, Drop) and outcome.reason == expected
+    # The streak of failing rewards counts only drops where scoring failed, not groups without signal.
+    assert outcome.scoring_failed == (expected in ("too_few", "reward_error"))
+    if expected == "too_few":
+        assert outcome.detail == "why"
     if expected == "zero_variance":
-        assert without_signal(valid, advantages) and drop_reason(valid, advantages, False, overlong) is None
+        assert without_signal(valid, advantages)
+        kept = verdict(judged, filter_zero_variance=False)
+        assert isinstance(kept, Keep) and kept.zero_variance is True
+
+
+def test_verdict_on_a_custom_advantage_that_fails_names_it():
+    def broken(rewards, step_rewards, valid):
+        raise KeyError("turns")
+    judged = Judged(valid=np.ones(G, bool), rewards=np.array([1.0, 0.0, 1.0, 0.0], np.float32),
+                    advantages=np.array([1.0, -1.0, 1.0, -1.0], np.float32), step_rewards=np.zeros((G, 3)))
+    outcome = verdict(judged, filter_zero_variance=True, custom_advantage=broken, custom_advantage_name="env:adv")
+    assert outcome == Drop(reason="reward_error", detail="env.advantage env:adv: raised KeyError: 'turns'",
+                           scoring_failed=True)
+
+
+def test_rewards_too_large_for_float32_advantages_are_a_reward_error_naming_their_range():
+    judged = Judged(valid=np.ones(G, bool), rewards=np.array([1.0, 3e38, -3e38, 0.0], np.float32),
+                    advantages=np.array([np.inf, 0.0, 0.0, 0.0], np.float32))
+    assert verdict(judged, filter_zero_variance=False) == Drop(
+        reason="reward_error", scoring_failed=True,
+        detail="the group's rewards (-3e+38 .. 3e+38) are too large for float32 advantages")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_verdict_on_random_groups_matches_a_reference(seed):
+    """Random groups against the rule written out plainly: drop exactly when fewer than 2 count, an advantage is
+    not finite, all are overlong, or (filtered) every counted advantage is 0; a kept group trains its advantages."""
+    rng = np.random.default_rng(seed)
+    valid = rng.random(G) < 0.7
+    advantages = np.where(rng.random(G) < 0.5, 0.0, rng.normal(size=G)).astype(np.float32)
+    if rng.random() < 0.1:
+        advantages[rng.integers(G)] = np.nan
+    overlong = rng.random(G) < 0.8 if rng.random() < 0.5 else None
+    filtered = bool(rng.random() < 0.5)
+    outcome = verdict(Judged(valid=valid, rewards=np.zeros(G, np.float32), advantages=advantages, overlong=overlong),
+                      filter_zero_variance=filtered)
+    if valid.sum() < 2 or not np.isfinite(advantages).all():
+        expected = "reward_error"
+    elif overlong is not None and overlong.all():
+        expected = "overlong"
+    elif filtered and (advantages[valid] == 0).all():
+        expected = "zero_variance"
+    else:
+        expected = None
+    assert (outcome.reason if isinstance(outcome, Drop) else None) == expected

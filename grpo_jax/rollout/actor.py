@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_jax.algorithm.advantages import GRPOConfig, custom_advantages, group_advantages
+from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
 from grpo_jax.algorithm.rewards import RewardSuite, import_factory
 from grpo_jax.data.collector import Collector, Prompt
 from grpo_jax.data.tokenizer import Tokenizer
@@ -63,6 +63,7 @@ from grpo_jax.errors import TrainerError, UserError
 from grpo_jax.parallel.distributed import HostAgreement
 from grpo_jax.rollout.engine import Engine, GroupResult
 from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
+from grpo_jax.rollout.grouping import Drop, Judged, Keep, one_line, verdict
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.state.ledger import global_ordinal
 from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY, Group, ReplayBuffer
@@ -83,45 +84,6 @@ BAD_ROWS_LOG_EVERY = 1000
 # Scoring calls whose failures are logged: the first REWARD_ERRORS_LOGGED, then every REWARD_ERRORS_LOG_EVERY-th.
 REWARD_ERRORS_LOGGED = 10
 REWARD_ERRORS_LOG_EVERY = 100
-# The longest reward error quoted in a drop's detail or the stop message.
-REWARD_ERROR_CHARS = 300
-
-
-# drop_reason's verdict for a group with fewer than 2 scored samples: not a ledger reason, the caller names the failure
-# (reward_error, or its episodes' commonest failure).
-TOO_FEW_SAMPLES = "too_few_samples"
-
-
-def without_signal(valid: np.ndarray, advantages: np.ndarray) -> bool:
-    """Whether a group's advantages (the ones it would train with, one per sample) give its policy term no gradient:
-    every scored sample's advantage is exactly 0. group_advantages gives exact zeros to a group whose rewards are
-    all equal; env.advantage's function decides for itself (equal values that are not 0 still move every sample's
-    likelihood, so they train)."""
-    return not np.any(np.asarray(advantages)[np.asarray(valid, bool)] != 0)
-
-
-def drop_reason(valid: np.ndarray, advantages: np.ndarray, filter_zero_variance: bool,
-                overlong: np.ndarray | None = None) -> str | None:
-    """Why a finished group of G samples is not trained, or None, decided on `advantages`, the ones it would train
-    with (group_advantages', or env.advantage's): in this order, TOO_FEW_SAMPLES (fewer than 2 scored: `valid`);
-    "reward_error" (an advantage that is not finite: rewards too large for float32); "overlong" (every sample hit
-    max_new_tokens: `overlong`, G bools, None for episodes); "zero_variance" (filter_zero_variance, and
-    without_signal). One decision for the static, streaming and episode paths."""
-    valid = np.asarray(valid, bool)
-    if valid.sum() < 2:
-        return TOO_FEW_SAMPLES
-    if not np.isfinite(advantages).all():
-        return "reward_error"
-    if overlong is not None and np.asarray(overlong, bool).all():
-        return "overlong"
-    if filter_zero_variance and without_signal(valid, advantages):
-        return "zero_variance"
-    return None
-
-
-def _one_line(text: str, limit: int = REWARD_ERROR_CHARS) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -490,10 +452,9 @@ class Actor:
             finish_reasons=[result.finish_reasons[j] for j in rows[i]]) for i, prompt in enumerate(prompts)])
 
     def _finish(self, prompts: list[Prompt], results: list[GroupResult]) -> None:
-        """Score finished groups and put each into the buffer, or drop it with its reason (drop_reason). Stops the run
-        when the rewards keep failing (see _stop_if_rewards_keep_failing)."""
-        cfg = self.grpo
-        g = cfg.group_size
+        """Score finished groups and put each into the buffer, or drop it with its reason (grouping.verdict). Stops
+        the run when the rewards keep failing (see _stop_if_rewards_keep_failing)."""
+        g = self.grpo.group_size
         lengths = [len(t) for r in results for t in r.tokens]
         self.generated_tokens += sum(lengths)
         texts = [self.tokenizer.decode(t) for r in results for t in r.tokens]
@@ -503,20 +464,13 @@ class Actor:
         self._log_reward_errors(scored)
         rewards = scored.rewards.reshape(len(prompts), g)
         valid = ~scored.failed.reshape(len(prompts), g)
-        overlong = np.array([[reason == "length" for reason in r.finish_reasons] for r in results])
         advantages, _ = self._group_advantages(rewards, valid)
         for i, (prompt, result) in enumerate(zip(prompts, results)):
-            reason, detail = drop_reason(valid[i], advantages[i], cfg.filter_zero_variance, overlong[i]), None
-            if reason == TOO_FEW_SAMPLES:
-                reason, detail = "reward_error", self._reward_error_detail(scored, slice(i * g, (i + 1) * g))
-            elif reason == "reward_error":
-                # Each reward fits float32 (RewardSuite checks), but the group's mean or spread does not.
-                detail = (f"the group's rewards ({rewards[i][valid[i]].min():.3g} .. {rewards[i][valid[i]].max():.3g}) "
-                          "are too large for float32 advantages")
-            self._count_reward_errors(reason == "reward_error", detail)
-            if reason:
-                self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
-                self.buffer.release(1)
+            judged = Judged(valid=valid[i], rewards=rewards[i], advantages=advantages[i],
+                            failure_detail=self._reward_error_detail(scored, slice(i * g, (i + 1) * g)),
+                            overlong=np.array([reason == "length" for reason in result.finish_reasons]))
+            outcome = self._settle(prompt, judged)
+            if outcome is None:
                 continue
             group = Group(
                 ordinal=prompt.ordinal, prompt=prompt.record,
@@ -524,12 +478,26 @@ class Actor:
                 behaviour_logprobs=[np.asarray(lp, np.float32) for lp in result.logprobs],
                 rewards=rewards[i].astype(np.float32), weight_version=result.oldest_version,
                 regenerations=int(prompt.record.get("regenerations", 0)),
-                extras={"advantages": advantages[i].astype(np.float32), "valid": valid[i],
-                        "zero_variance": without_signal(valid[i], advantages[i]), "token_versions": result.versions,
+                extras={"advantages": outcome.advantages, "valid": valid[i], "zero_variance": outcome.zero_variance,
+                        "token_versions": result.versions,
                         **({} if result.routing is None else {"routing": result.routing})})
             self.collector.mark_finished(prompt.ordinal)
             self.buffer.put(group)
         self._stop_if_rewards_keep_failing()
+
+    def _settle(self, prompt: Prompt, judged: Judged) -> Keep | None:
+        """grouping.verdict on one finished group: a drop goes to the ledger (and the reward-error streak) here, and
+        None is returned; a group to train comes back as its Keep."""
+        outcome = verdict(judged, filter_zero_variance=self.grpo.filter_zero_variance,
+                          custom_advantage=self.custom_advantage,
+                          custom_advantage_name=self.sampler.config.advantage if self.custom_advantage else "")
+        self._count_reward_errors(isinstance(outcome, Drop) and outcome.scoring_failed,
+                                  outcome.detail if isinstance(outcome, Drop) else None)
+        if isinstance(outcome, Drop):
+            self.collector.mark_dropped(prompt.ordinal, outcome.reason, detail=outcome.detail)
+            self.buffer.release(1)
+            return None
+        return outcome
 
     # -- episodes of an environment --
 
@@ -557,10 +525,10 @@ class Actor:
             self._finish_episodes(part, results)
 
     def _finish_episodes(self, prompts: list[Prompt], results: list[EpisodeResult]) -> None:
-        """Put each prompt's G episodes into the buffer as one group, or drop it: fewer than 2 episodes that
-        did not fail (the commonest failure is the reason), env.advantage failing on it (reward_error), then
-        drop_reason on the advantages it would train with (env.advantage's when set): advantages that do not fit
-        float32, zero variance (every advantage 0)."""
+        """Put each prompt's G episodes into the buffer as one group, or drop it (grouping.verdict): fewer than 2
+        episodes that did not fail (the commonest failure is the reason), env.advantage failing on it, then the
+        advantages it would train with (env.advantage's when set): advantages that do not fit float32, zero
+        variance (every advantage 0)."""
         g = self.grpo.group_size
         episodes = [results[i * g:(i + 1) * g] for i in range(len(prompts))]
         valid = np.array([[e.failure is None for e in eps] for eps in episodes])
@@ -572,35 +540,19 @@ class Actor:
             failed = [e for e in eps if e.failure is not None]
             self.env_failures.update(e.failure for e in failed)
             steps = step_rewards(eps, self.sampler.config.max_turns)
-            # env.advantage replaces the group-relative advantages before anything is decided on them.
-            detail = None
-            if valid[i].sum() >= 2 and self.custom_advantage is not None:
-                detail = self._custom_advantages(i, advantages, rewards, steps, valid)
-            reason = "reward_error" if detail else drop_reason(valid[i], advantages[i], self.grpo.filter_zero_variance)
-            if reason == TOO_FEW_SAMPLES:
-                reason = collections.Counter(e.failure for e in failed).most_common(1)[0][0]
-                detail = _one_line(f"{len(failed)} of {g} episodes failed; first: {failed[0].failure}: "
-                                   f"{failed[0].detail}")
-            elif reason == "reward_error" and not detail:
-                detail = "the group's rewards are too large for float32 advantages"
-            self._count_reward_errors(reason in (*ENV_FAILURES, "reward_error"), detail)
-            if reason:
-                self.collector.mark_dropped(prompt.ordinal, reason, detail=detail)
-                self.buffer.release(1)
+            judged = Judged(valid=valid[i], rewards=rewards[i], advantages=advantages[i], step_rewards=steps)
+            if failed:
+                judged = dataclasses.replace(
+                    judged, failure=collections.Counter(e.failure for e in failed).most_common(1)[0][0],
+                    failure_detail=one_line(f"{len(failed)} of {g} episodes failed; first: {failed[0].failure}: "
+                                            f"{failed[0].detail}"))
+            outcome = self._settle(prompt, judged)
+            if outcome is None:
                 continue
             self.collector.mark_finished(prompt.ordinal)
-            self.buffer.put(episode_group(prompt, eps, rewards[i], advantages[i], valid[i],
-                                          without_signal(valid[i], advantages[i]), steps))
+            self.buffer.put(episode_group(prompt, eps, rewards[i], outcome.advantages, valid[i],
+                                          outcome.zero_variance, steps))
         self._stop_if_rewards_keep_failing()
-
-    def _custom_advantages(self, i: int, advantages: np.ndarray, rewards: np.ndarray, steps: np.ndarray,
-                           valid: np.ndarray) -> str | None:
-        """Group i's advantages from env.advantage, written into `advantages`; what went wrong, or None."""
-        try:
-            advantages[i] = custom_advantages(self.custom_advantage, rewards[i], steps, valid[i])
-        except ValueError as e:
-            return _one_line(f"env.advantage {self.sampler.config.advantage}: {e}")
-        return None
 
     # -- rewards that fail --
 
@@ -621,7 +573,7 @@ class Actor:
     def _reward_error_detail(scored, rows: slice) -> str:
         """Which reward functions failed samples of these rows, and how (the ledger's detail for the drop)."""
         failing = [label for label, values in scored.per_function.items() if not np.isfinite(values[rows]).all()]
-        return _one_line("; ".join(f"{label}: {scored.function_errors.get(label, 'failed')}" for label in failing))
+        return one_line("; ".join(f"{label}: {scored.function_errors.get(label, 'failed')}" for label in failing))
 
     def _count_reward_errors(self, dropped_for_rewards: bool, detail: str | None) -> None:
         """Count the groups in a row dropped as reward_error; any other outcome means the rewards work."""
