@@ -280,7 +280,7 @@ def test_inflight_updates_tag_tokens_and_behaviour_logprobs(engine, model):
     # The learner's rows: per-token behaviour log-probs in place, and per-token importance weights from them.
     groups = [Group(ordinal=i, prompt={"prompt_ids": p}, completions=r.tokens, behaviour_logprobs=r.logprobs,
                     rewards=np.zeros(G, np.float32), weight_version=r.oldest_version,
-                    extras={"advantages": np.ones(G, np.float32), "token_versions": r.versions})
+                    advantages=np.ones(G, np.float32), token_versions=r.versions)
               for i, (p, r) in enumerate(zip(prompts, results))]
     rows_prompts, completions, logprobs, advantages, _ = group_rows(groups, G)
     batch = pack_batch(rows_prompts, completions, logprobs, advantages, PAD, 16, MAX_NEW)

@@ -87,8 +87,8 @@ def test_custom_advantages_that_differ_are_trained_although_the_rewards_are_equa
     advantages [1.51, 0.30, -0.91, -0.91] (it was dropped as zero_variance on the equal rewards)."""
     outcome, group = finish_episodes(turn_penalised, [1.0] * G, steps=(1, 2, 3, 3))
     assert outcome == "finished"
-    np.testing.assert_allclose(group.extras["advantages"], [1.508, 0.302, -0.905, -0.905], atol=1e-3)
-    assert group.extras["zero_variance"] is False
+    np.testing.assert_allclose(group.advantages, [1.508, 0.302, -0.905, -0.905], atol=1e-3)
+    assert group.zero_variance is False
 
 
 def test_custom_advantages_all_zero_are_dropped_and_all_equal_but_not_zero_are_trained():
@@ -97,17 +97,17 @@ def test_custom_advantages_all_zero_are_dropped_and_all_equal_but_not_zero_are_t
     # The same advantage for every episode still moves the policy (each sample's likelihood by the same weight):
     # the function's signal, trained.
     outcome, group = finish_episodes(lambda rewards, step_rewards, valid: np.full(G, 0.5), [1.0] * G)
-    assert outcome == "finished" and group.extras["zero_variance"] is False
+    assert outcome == "finished" and group.zero_variance is False
     # ... and without the filter a group of zero advantages trains, flagged for the metrics.
     outcome, group = finish_episodes(lambda rewards, step_rewards, valid: np.zeros(G), [1.0] * G,
                                      filter_zero_variance=False)
-    assert outcome == "finished" and group.extras["zero_variance"] is True
+    assert outcome == "finished" and group.zero_variance is True
 
 
 def test_without_a_custom_advantage_equal_rewards_still_drop_and_differing_ones_train():
     assert finish_episodes(None, [1.0] * G)[0] == "zero_variance"
     outcome, group = finish_episodes(None, [1.0, 0.0, 1.0, 0.0])
-    assert outcome == "finished" and group.extras["zero_variance"] is False
+    assert outcome == "finished" and group.zero_variance is False
 
 
 def static_finish(rewards, finish_reasons=("stop",) * G, filter_zero_variance=True, failed=(False,) * G):
@@ -127,7 +127,7 @@ def static_finish(rewards, finish_reasons=("stop",) * G, filter_zero_variance=Tr
 def test_the_static_path_takes_the_same_decisions():
     assert static_finish([1.0] * G)[0] == "zero_variance"
     outcome, group = static_finish([1.0] * G, filter_zero_variance=False)
-    assert outcome == "finished" and group.extras["zero_variance"] is True
+    assert outcome == "finished" and group.zero_variance is True
     assert static_finish([1.0, 0.0, 0.0, 0.0])[0] == "finished"
     assert static_finish([1.0, 0.0, 0.0, 0.0], finish_reasons=("length",) * G)[0] == "overlong"
     assert static_finish([1.0, 0.0, 0.0, 0.0], failed=(True, True, True, False))[0] == "reward_error"

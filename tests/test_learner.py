@@ -365,7 +365,7 @@ def test_the_trainer_rows_carry_each_samples_validity():
     from grpo_jax.state.replay_buffer import Group
     groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([3, 4])}, completions=[np.array([5, 6])] * 3,
                     behaviour_logprobs=[np.array([-1.0, -1.0])] * 3, rewards=np.zeros(3, np.float32),
-                    weight_version=0, extras={"advantages": np.zeros(3, np.float32), "valid": valid})
+                    weight_version=0, advantages=np.zeros(3, np.float32), valid=valid)
               for i, valid in enumerate([np.array([True, False, True]), np.array([False, True, True])])]
     valid = row_validity(groups, 3, rows=8)  # two rows of padding after the six of the groups
     assert valid.tolist() == [True, False, True, False, True, True, False, False]

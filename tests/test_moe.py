@@ -229,12 +229,12 @@ def test_the_replay_buffer_checkpoints_a_groups_routing():
     routing = [np.arange(6 * 2, dtype=np.int32).reshape(6, 1, 2), np.zeros((4, 1, 2), np.int32)]
     group = Group(ordinal=3, prompt={"dataset_index": 0, "epoch": 0, "prompt_ids": [1, 2]},
                   completions=[np.arange(5), np.arange(3)], behaviour_logprobs=[np.zeros(5), np.zeros(3)],
-                  rewards=np.zeros(2, np.float32), weight_version=0, extras={"routing": routing})
+                  rewards=np.zeros(2, np.float32), weight_version=0, routing=routing)
     buffer = ReplayBuffer(capacity=2, max_staleness=1, prompts_per_step=1)
     buffer.put(group)
     state = json.loads(json.dumps(buffer.to_state()))
     (restored,) = ReplayBuffer.from_state(state).take(1, 0).groups
-    for a, b in zip(restored.extras["routing"], routing):
+    for a, b in zip(restored.routing, routing):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == np.int32
 

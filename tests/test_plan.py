@@ -77,7 +77,7 @@ def step_groups(trainer, prompt_len: int, completion_len: int) -> list[Group]:
     return [Group(ordinal=i, prompt={"prompt_ids": np.full(prompt_len, 3, np.int32)},
                   completions=[np.full(completion_len, 6, np.int32)] * g,
                   behaviour_logprobs=[np.zeros(completion_len, np.float32)] * g, rewards=np.zeros(g, np.float32),
-                  weight_version=0, extras={"advantages": np.ones(g, np.float32)})
+                  weight_version=0, advantages=np.ones(g, np.float32))
             for i in range(trainer.local_prompts)]
 
 

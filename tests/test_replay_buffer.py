@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import threading
 import time
 
@@ -14,7 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_jax.state.replay_buffer import ArrayPool, Group, ReplayBuffer, ReplayBufferClosed, ReplayBufferTimeout
+from grpo_jax.state.replay_buffer import (
+    ArrayPool,
+    EpisodeStats,
+    Group,
+    ReplayBuffer,
+    ReplayBufferClosed,
+    ReplayBufferTimeout,
+    Segments,
+)
 
 
 def group(ordinal: int, weight_version: int = 0, **kw) -> Group:
@@ -335,8 +344,10 @@ def test_state_is_plain_json_and_round_trips_arrays():
         rewards=np.array([1.0, 0.5], dtype=np.float32),
         weight_version=6,
         regenerations=2,
-        extras={"mask": np.ones((2, 3), dtype=bool), "raw": b"\x00\x01"},
+        valid=np.array([True, False]),
+        token_versions=[np.array([6, 6, 7], np.int32), np.array([6], np.int32)],
     )
+    g.prompt.update(mask=np.ones((2, 3), dtype=bool), raw=b"\x00\x01")
     b.put(g)
     b.put(group(4, weight_version=7))
     state = json.loads(json.dumps(b.to_state(), allow_nan=False))
@@ -347,20 +358,22 @@ def test_state_is_plain_json_and_round_trips_arrays():
     assert back.prompt["prompt_ids"].dtype == np.int32 and back.prompt["prompt_ids"].tolist() == [4, 5, 6]
     assert [c.tolist() for c in back.completions] == [[1, 2, 3], [9]]
     assert back.behaviour_logprobs[0].dtype == np.float32 and back.behaviour_logprobs[0].tolist() == [-0.5, -0.25, -1.5]
-    assert back.extras["mask"].shape == (2, 3) and back.extras["raw"] == b"\x00\x01"
+    assert back.prompt["mask"].shape == (2, 3) and back.prompt["raw"] == b"\x00\x01"
     assert (back.weight_version, back.regenerations) == (6, 2)
+    assert back.valid.tolist() == [True, False] and [v.tolist() for v in back.token_versions] == [[6, 6, 7], [6]]
+    assert back.advantages is None and back.segments is None and back.zero_variance is False
     unsaveable = ReplayBuffer(4, 1, 2)
-    unsaveable.put(group(0, extras={"f": object()}))
-    with pytest.raises(TypeError, match="group.extras.f: object cannot be saved"):
+    unsaveable.put(dataclasses.replace(group(0), prompt={"f": object()}))
+    with pytest.raises(TypeError, match="group of ordinal 0.prompt.f: object cannot be saved"):
         unsaveable.to_state()
 
 
 def test_bfloat16_arrays_survive_the_state():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     b = ReplayBuffer(capacity=2, max_staleness=0, prompts_per_step=1)
-    b.put(group(0, extras={"lp": np.array([0.5, -1.25], dtype=ml_dtypes.bfloat16)}))
+    b.put(group(0, advantages=np.array([0.5, -1.25], dtype=ml_dtypes.bfloat16)))
     r = ReplayBuffer.from_state(json.loads(json.dumps(b.to_state())))
-    lp = r.take(1, 0).groups[0].extras["lp"]
+    lp = r.take(1, 0).groups[0].advantages
     assert lp.dtype == ml_dtypes.bfloat16 and lp.astype(np.float32).tolist() == [0.5, -1.25]
 
 
@@ -375,7 +388,7 @@ def test_state_as_pooled_arrays_round_trips_and_an_empty_buffer_still_saves_an_a
                      completions=[np.array([5, 6, o], np.int32), np.array([8], np.int32)],
                      behaviour_logprobs=[np.array([-0.1, -0.2, -0.3], np.float32), np.array([-1.0], np.float32)],
                      rewards=np.array([1.0, o], np.float32), weight_version=o,
-                     extras={"valid": np.array([True, o % 2 == 0])})
+                     valid=np.array([True, o % 2 == 0]))
 
     b = ReplayBuffer(capacity=4, max_staleness=9, prompts_per_step=2, learner_version=3)
     b.put(array_group(2))
@@ -394,7 +407,7 @@ def test_state_as_pooled_arrays_round_trips_and_an_empty_buffer_still_saves_an_a
                 (x.dtype, x.tolist()) for x in getattr(want, field)
             ]
         assert g.rewards.dtype == np.float32 and g.rewards.tolist() == want.rewards.tolist()
-        assert g.extras["valid"].dtype == bool and g.extras["valid"].tolist() == want.extras["valid"].tolist()
+        assert g.valid.dtype == bool and g.valid.tolist() == want.valid.tolist()
         assert g.prompt["prompt_ids"].tolist() == want.prompt["prompt_ids"].tolist()
     assert ArrayPool().arrays()["int32"].shape == (1,)  # Orbax refuses zero-size arrays
     with pytest.raises(ValueError, match="runs past the end"):
@@ -415,9 +428,8 @@ def test_put_back_returns_an_abandoned_step_for_the_checkpoint():
 
 
 def test_a_segment_group_round_trips_exactly_with_and_without_a_pool():
-    """A multi-turn group (replay_buffer.SEGMENT_*): ragged per-segment lists in extras, int8 masks, empty arrays,
-    come back with the same dtypes, shapes and values, as JSON and as pooled arrays."""
-    from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY
+    """A multi-turn group (replay_buffer.Segments): ragged per-segment lists, int8 masks, empty arrays, come back
+    with the same dtypes, shapes and values, as JSON and as pooled arrays."""
 
     rng = np.random.default_rng(0)
     lengths = [5, 1, 0, 7]  # an empty completion too
@@ -425,11 +437,14 @@ def test_a_segment_group_round_trips_exactly_with_and_without_a_pool():
               completions=[rng.integers(0, 50, n).astype(np.int32) for n in lengths],
               behaviour_logprobs=[rng.normal(size=n).astype(np.float32) for n in lengths],
               rewards=np.array([0.5, -1.0], np.float32), weight_version=2,
-              extras={"advantages": np.array([0.25, -0.25], np.float32), "valid": np.array([True, False]),
-                      SEGMENT_PROMPTS: [rng.integers(0, 50, n).astype(np.int32) for n in (3, 9, 4, 2)],
-                      SEGMENT_MASKS: [(rng.random(n) > 0.5).astype(np.int8) for n in lengths[:3]]
-                      + [np.ones(7, np.float32)],
-                      SEGMENT_TRAJECTORY: np.array([0, 0, 1, 1], np.int32)})
+              advantages=np.array([0.25, -0.25], np.float32), valid=np.array([True, False]),
+              segments=Segments(prompts=[rng.integers(0, 50, n).astype(np.int32) for n in (3, 9, 4, 2)],
+                                masks=[(rng.random(n) > 0.5).astype(np.int8) for n in lengths[:3]]
+                                + [np.ones(7, np.float32)],
+                                trajectory=np.array([0, 0, 1, 1], np.int32)),
+              episodes=EpisodeStats(stats=rng.random((2, 6)).astype(np.float32),
+                                    reward_parts=np.array([[0.5], [0.0]], np.float32), reward_part_names=["format"],
+                                    step_rewards=np.array([[0.5, 1.0], [0.0, 2.0]], np.float32)))
 
     def same(a, b, where="group"):
         if isinstance(a, dict):
@@ -454,3 +469,52 @@ def test_a_segment_group_round_trips_exactly_with_and_without_a_pool():
         back = restored.take(1, current_version=2).groups[0]
         assert back.segmented
         same(dataclasses.asdict(g), dataclasses.asdict(back))
+
+
+OLD_STATE = pathlib.Path(__file__).parent / "data" / "buffer_state_a458d4d"
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_buffer_saved_before_group_was_typed_restores_every_field(pooled):
+    """tests/data/make_buffer_state_a458d4d.py wrote these with grpo_jax at a458d4d (Group.extras, a dict of string
+    keys): a single-turn group with token versions, one with MoE routing, and a multi-turn group of segments."""
+    if pooled:
+        arrays = dict(np.load(f"{OLD_STATE}.pooled.npz"))
+        state = json.loads(pathlib.Path(f"{OLD_STATE}.pooled.json").read_text())
+        buffer = ReplayBuffer.from_state(state, pool=ArrayPool(arrays))
+    else:
+        buffer = ReplayBuffer.from_state(json.loads(pathlib.Path(f"{OLD_STATE}.json").read_text()))
+    assert buffer.ordinals() == [4, 5, 6] and buffer.learner_version == 3
+    single, moe, episodes = buffer.take(3, current_version=3).groups
+    assert (single.weight_version, single.regenerations, single.zero_variance) == (2, 1, False)
+    assert single.advantages.tolist() == [1.0, -1.0] and single.valid.tolist() == [True, True]
+    assert [v.tolist() for v in single.token_versions] == [[2, 2, 3], [2, 3, 3, 3, 3]]
+    assert single.prompt["row"] == {"question": "1+1?", "answer": "2"} and not single.segmented
+    assert single.routing is None and single.episodes is None
+    assert [r.shape for r in moe.routing] == [(4, 2, 2)] * 2 and moe.routing[0].dtype == np.int32
+    assert moe.valid.tolist() == [True, False]
+    assert episodes.segmented and episodes.segments.trajectory.tolist() == [0, 1, 1]
+    assert [m.tolist() for m in episodes.segments.masks] == [[1, 1, 0], [1, 1, 0], [1, 1]]
+    assert [p.tolist() for p in episodes.segments.prompts] == [[1, 2, 3], [1, 2, 3], [1, 2, 3, 11, 12, 13]]
+    assert [c.tolist() for c in episodes.completions] == [[11, 12, 13], [11, 12, 13], [14, 15]]
+    assert episodes.episodes.reward_part_names == ["format"]
+    assert episodes.episodes.stats.shape == (2, 6) and episodes.episodes.step_rewards.shape == (2, 3)
+    np.testing.assert_array_equal(episodes.episodes.reward_parts, [[0.0], [0.5]])
+    # ... and saved again, the state has the same layout as the old one.
+    resaved = ReplayBuffer(capacity=8, max_staleness=1, prompts_per_step=2, learner_version=3)
+    for group in (single, moe, episodes):
+        resaved.put(group)
+    if not pooled:
+        assert json.loads(json.dumps(resaved.to_state())) == json.loads(pathlib.Path(f"{OLD_STATE}.json").read_text())
+
+
+def test_a_saved_group_with_keys_this_version_does_not_know_is_refused_naming_them():
+    b = ReplayBuffer(capacity=2, max_staleness=1, prompts_per_step=1)
+    b.put(group(3))
+    state = b.to_state()
+    state["groups"][0]["extras"]["surprise"] = 1
+    with pytest.raises(ValueError, match=r"group of ordinal 3: unknown key\(s\) \['surprise'\]"):
+        ReplayBuffer.from_state(state)
+    state["groups"][0]["extras"] = {"segment_masks": []}
+    with pytest.raises(ValueError, match="a segment group needs"):
+        ReplayBuffer.from_state(state)

@@ -286,7 +286,7 @@ def test_a_group_whose_rewards_overflow_float32_statistics_is_dropped(tmp_path, 
     assert (ordinal, reason) == (0, "reward_error")
     assert detail == "the group's rewards (1 .. 3e+38) are too large for float32 advantages"
     assert [g.ordinal for g in actor.buffer.groups] == [1]
-    assert np.isfinite(actor.buffer.groups[0].extras["advantages"]).all()
+    assert np.isfinite(actor.buffer.groups[0].advantages).all()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Completion masks (multi-turn environments): a completion interleaves sampled tokens (trained) with environment
 tokens (context only). Padded and packed layouts with masks give the loss and gradients of a hand-built NumPy loss
 mask, for every aggregation; a masked token's behaviour log-prob or advantage cannot change them; packing budgets
-only the trained tokens. The trainer lays out segment groups (replay_buffer.SEGMENT_*) one sequence per segment,
+only the trained tokens. The trainer lays out segment groups (replay_buffer.Segments) one sequence per segment,
 with its trajectory's advantage and validity."""
 
 import dataclasses
@@ -33,7 +33,7 @@ from grpo_jax.run.trainer import (
     sample_lengths,
     sequence_tokens,
 )
-from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY, Group
+from grpo_jax.state.replay_buffer import Group, Segments
 from test_packing import COMPLETION_LEN, MODEL, PROMPT_LEN, max_param_diff, params_of, random_sequences
 from test_trainer import tiny_config
 
@@ -239,10 +239,8 @@ def segment_group(ordinal: int, rng, group_size: int, row_length: int, sampled_b
     valid = np.ones(group_size, bool) if valid is None else np.asarray(valid, bool)
     return Group(ordinal=ordinal, prompt={"prompt_ids": np.array([1, 2], np.int32)}, completions=completions,
                  behaviour_logprobs=logprobs, rewards=rng.normal(size=group_size).astype(np.float32),
-                 weight_version=0, extras={"advantages": rng.normal(size=group_size).astype(np.float32),
-                                           "valid": valid, "zero_variance": False, SEGMENT_PROMPTS: prompts,
-                                           SEGMENT_MASKS: masks,
-                                           SEGMENT_TRAJECTORY: np.asarray(trajectory, np.int32)})
+                 weight_version=0, advantages=rng.normal(size=group_size).astype(np.float32), valid=valid,
+                 segments=Segments(prompts=prompts, masks=masks, trajectory=np.asarray(trajectory, np.int32)))
 
 
 def fake_trainer(tmp_path, *overrides, max_turns: int = 3):
@@ -279,13 +277,13 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
     segments = [(grp, i) for grp in groups for i in range(len(grp.completions))]
     assert len(prompts) == len(segments) > trainer.local_prompts * g // 2
     for (grp, i), prompt, completion, mask, advantage in zip(segments, prompts, completions, masks, advantages):
-        t = grp.extras[SEGMENT_TRAJECTORY][i]
-        np.testing.assert_array_equal(prompt, grp.extras[SEGMENT_PROMPTS][i])
+        t = grp.segments.trajectory[i]
+        np.testing.assert_array_equal(prompt, grp.segments.prompts[i])
         np.testing.assert_array_equal(completion, grp.completions[i])
-        np.testing.assert_array_equal(mask, grp.extras[SEGMENT_MASKS][i])
-        assert advantage == grp.extras["advantages"][t]
+        np.testing.assert_array_equal(mask, grp.segments.masks[i])
+        assert advantage == grp.advantages[t]
     valid = row_validity(groups, g, len(prompts) + 2)
-    assert valid.tolist() == [bool(grp.extras["valid"][grp.extras[SEGMENT_TRAJECTORY][i]]) for grp, i in segments
+    assert valid.tolist() == [bool(grp.valid[grp.segments.trajectory[i]]) for grp, i in segments
                               ] + [False, False]
 
     batch, padding = Trainer.learner_batch(trainer, groups)
@@ -297,30 +295,30 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
         for slot in range(labels[r].max()):
             where = np.flatnonzero(labels[r] == slot + 1)
             start, end = where[0], where[-1] + 1
-            grp, i = next((grp, i) for grp, i in segments if grp.extras[SEGMENT_PROMPTS][i][0] == tokens[r, start])
-            prompt, completion = grp.extras[SEGMENT_PROMPTS][i], grp.completions[i]
-            t = grp.extras[SEGMENT_TRAJECTORY][i]
-            assert grp.extras["valid"][t] and end - start == len(prompt) + len(completion)
+            grp, i = next((grp, i) for grp, i in segments if grp.segments.prompts[i][0] == tokens[r, start])
+            prompt, completion = grp.segments.prompts[i], grp.completions[i]
+            t = grp.segments.trajectory[i]
+            assert grp.valid[t] and end - start == len(prompt) + len(completion)
             np.testing.assert_array_equal(tokens[r, start:end], np.concatenate([prompt, completion]))
             span = slice(start + len(prompt) - 1, end - 1)  # the positions that score the completion
-            np.testing.assert_array_equal(loss_mask[r, span], grp.extras[SEGMENT_MASKS][i])
+            np.testing.assert_array_equal(loss_mask[r, span], grp.segments.masks[i])
             np.testing.assert_array_equal(behaviour[r, span], grp.behaviour_logprobs[i])
-            assert batch.advantages[r, slot] == grp.extras["advantages"][t]
+            assert batch.advantages[r, slot] == grp.advantages[t]
             # Its trajectory, numbered group after group (each of these groups has all g trajectories).
             assert batch.trajectories[r, slot] == groups.index(grp) * g + t
             found += 1
-    trained = [(grp, i) for grp, i in segments if grp.extras["valid"][grp.extras[SEGMENT_TRAJECTORY][i]]]
+    trained = [(grp, i) for grp, i in segments if grp.valid[grp.segments.trajectory[i]]]
     assert found == len(trained) < len(segments)
     assert (np.asarray(batch.trajectories) >= 0).sum() == found  # an empty slot is -1
     # The loss mask covers exactly the sampled tokens of the valid trajectories' segments, nothing else.
-    assert loss_mask.sum() == sum(grp.extras[SEGMENT_MASKS][i].sum() for grp, i in trained)
+    assert loss_mask.sum() == sum(grp.segments.masks[i].sum() for grp, i in trained)
 
     # The metrics count the model's tokens per trajectory; tokens_per_s every token of the sequences.
     first = groups[0]
-    per_trajectory = [sum(int(m.sum()) for m, tr in zip(first.extras[SEGMENT_MASKS], first.extras[SEGMENT_TRAJECTORY])
+    per_trajectory = [sum(int(m.sum()) for m, tr in zip(first.segments.masks, first.segments.trajectory)
                           if tr == t) for t in range(g)]
     assert sample_lengths(first).tolist() == per_trajectory
-    assert sequence_tokens(first, g) == sum(len(p) + len(c) for p, c in zip(first.extras[SEGMENT_PROMPTS],
+    assert sequence_tokens(first, g) == sum(len(p) + len(c) for p, c in zip(first.segments.prompts,
                                                                             first.completions))
 
     # Two mini-batches: a trajectory's segments are in one (trajectory n in mini-batch n % 2), whatever their rows.
@@ -332,20 +330,19 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
     assert max(np.sum(numbers == n) for n in np.unique(numbers[placed])) > 1  # some trajectory has several segments
     # Which groups an update trained: mini-batch u % 2 holds trajectories u, u + 2, ... (group after group, each
     # group's by rank). A group left with one trajectory of several segments trains in one mini-batch only.
-    alone = next(t for t in range(g) if np.sum(groups[1].extras[SEGMENT_TRAJECTORY] == t) > 1)
-    keep = np.flatnonzero(groups[1].extras[SEGMENT_TRAJECTORY] == alone)
+    alone = next(t for t in range(g) if np.sum(groups[1].segments.trajectory == t) > 1)
+    keep = np.flatnonzero(groups[1].segments.trajectory == alone)
     single = dataclasses.replace(groups[1], completions=[groups[1].completions[i] for i in keep],
                                  behaviour_logprobs=[groups[1].behaviour_logprobs[i] for i in keep],
-                                 extras={**groups[1].extras, SEGMENT_PROMPTS: [groups[1].extras[SEGMENT_PROMPTS][i]
-                                                                                for i in keep],
-                                         SEGMENT_MASKS: [groups[1].extras[SEGMENT_MASKS][i] for i in keep],
-                                         SEGMENT_TRAJECTORY: groups[1].extras[SEGMENT_TRAJECTORY][keep]})
+                                 segments=Segments(prompts=[groups[1].segments.prompts[i] for i in keep],
+                                                   masks=[groups[1].segments.masks[i] for i in keep],
+                                                   trajectory=groups[1].segments.trajectory[keep]))
     three = [groups[0], single, groups[2]]  # trajectories 0 .. g-1, g (the single one: mini-batch 0), g+1 .. 2g
     assert Trainer._groups_trained(two, three, np.array([False, True])) == [True, False, True]
     assert Trainer._groups_trained(two, three, np.array([True, False])) == [True, True, True]
     broken = segment_group(9, rng, g, length, budget)
-    del broken.extras[SEGMENT_MASKS][1:]  # masks missing: refused, naming the key
-    with pytest.raises(ValueError, match=r'extras\["segment_masks"\] has 1 entries'):
+    del broken.segments.masks[1:]  # masks missing: refused, naming the field
+    with pytest.raises(ValueError, match=r"segments.masks has 1 entries"):
         group_rows([broken], g)
 
     # A restored segment group fits while each segment fits a packed row and the trained budget.
@@ -368,7 +365,7 @@ def test_a_segment_step_is_the_batch_compile_compiles_the_learner_for(tmp_path):
             groups = [Group(ordinal=i, prompt={"prompt_ids": np.array([1, 2, 3], np.int32)},
                             completions=[np.array([4, 5], np.int32)] * g, behaviour_logprobs=[np.zeros(2)] * g,
                             rewards=np.zeros(g, np.float32), weight_version=0,
-                            extras={"advantages": rng.normal(size=g).astype(np.float32), "valid": np.ones(g, bool)})
+                            advantages=rng.normal(size=g).astype(np.float32), valid=np.ones(g, bool))
                       for i in range(trainer.local_prompts)]
         else:
             groups = [segment_group(i, rng, g, trainer.plan.row_length, trainer.completion_bucket) for i in range(2)]
@@ -387,7 +384,7 @@ def test_ordinary_groups_are_laid_out_as_before_and_segments_need_packing(tmp_pa
                     completions=[rng.integers(1, 30, int(n)).astype(np.int32) for n in rng.integers(1, 7, g)],
                     behaviour_logprobs=[rng.normal(size=6).astype(np.float32) for _ in range(g)],
                     rewards=np.zeros(g, np.float32), weight_version=0,
-                    extras={"advantages": rng.normal(size=g).astype(np.float32), "valid": np.ones(g, bool)})
+                    advantages=rng.normal(size=g).astype(np.float32), valid=np.ones(g, bool))
               for i in range(trainer.local_prompts)]
     prompts, completions, logprobs, advantages, masks = group_rows(groups, g)
     assert masks is None and len(prompts) == trainer.local_prompts * g

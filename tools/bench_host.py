@@ -63,8 +63,7 @@ def build_groups(prompts, tokens, logprobs, lengths, g: int, version: int, first
             completions=[tokens[j, :lengths[j]].astype(np.int32) for j in rows],
             behaviour_logprobs=[logprobs[j, :lengths[j]].astype(np.float32) for j in rows],
             rewards=np.zeros(g, np.float32), weight_version=version,
-            extras={"advantages": np.linspace(-1, 1, g, dtype=np.float32), "valid": np.ones(g, bool),
-                    "zero_variance": False}))
+            advantages=np.linspace(-1, 1, g, dtype=np.float32), valid=np.ones(g, bool)))
     return out
 
 
@@ -77,7 +76,7 @@ def old_group_rows(groups, group_size):
             prompts.append(ids)
             completions.append([int(t) for t in group.completions[j]])
             logprobs.append(np.asarray(group.behaviour_logprobs[j]))
-            advantages.append(float(group.extras["advantages"][j]))
+            advantages.append(float(group.advantages[j]))
     return prompts, completions, logprobs, np.asarray(advantages, np.float32)
 
 

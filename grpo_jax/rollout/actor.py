@@ -14,7 +14,7 @@ Contract with the learner (grpo_jax.run.trainer):
   prompts that can be trained within grpo.max_staleness (ReplayBuffer.admissible / reserve).
 - Weights: the learner hands new weights over with push_weights(state, version); the actor adopts them
   between generation calls (the engine: between decode chunks, with sequences in flight when
-  sampler.inflight_updates is on). Every token records the version that drew it (extras["token_versions"])
+  sampler.inflight_updates is on). Every token records the version that drew it (Group.token_versions)
   and a group's weight_version is the OLDEST among its tokens: the staleness bound (learner version -
   weight_version <= max_staleness, checked by ReplayBuffer.take) then holds for every token of the group. The
   admission rule still holds with in-flight updates: tokens are drawn with weights at least as new as the
@@ -66,7 +66,7 @@ from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
 from grpo_jax.rollout.grouping import Drop, Judged, Keep, one_line, verdict
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.state.ledger import global_ordinal
-from grpo_jax.state.replay_buffer import SEGMENT_MASKS, SEGMENT_PROMPTS, SEGMENT_TRAJECTORY, Group, ReplayBuffer
+from grpo_jax.state.replay_buffer import EpisodeStats, Group, ReplayBuffer, Segments
 
 logger = logging.getLogger("grpo_jax.rollout.actor")
 
@@ -171,8 +171,8 @@ class Actor:
         generating, per actor device) with, for the engine, its slot occupancy and prefill sharing."""
         seconds = max(self.generate_seconds, 1e-9)
         out = {"actor/tokens_per_s_per_device": self.generated_tokens / seconds / self.num_devices}
-        spreads = [max(int(v.max()) for v in grp.extras["token_versions"] if len(v)) - grp.weight_version
-                   for grp in groups if "token_versions" in grp.extras]
+        spreads = [max(int(v.max()) for v in grp.token_versions if len(v)) - grp.weight_version
+                   for grp in groups if grp.token_versions is not None]
         if spreads:
             out.update({"rollout/version_spread_mean": float(np.mean(spreads)),
                         "rollout/version_spread_max": int(np.max(spreads))})
@@ -477,10 +477,9 @@ class Actor:
                 completions=[np.asarray(t, np.int32) for t in result.tokens],
                 behaviour_logprobs=[np.asarray(lp, np.float32) for lp in result.logprobs],
                 rewards=rewards[i].astype(np.float32), weight_version=result.oldest_version,
-                regenerations=int(prompt.record.get("regenerations", 0)),
-                extras={"advantages": outcome.advantages, "valid": valid[i], "zero_variance": outcome.zero_variance,
-                        "token_versions": result.versions,
-                        **({} if result.routing is None else {"routing": result.routing})})
+                regenerations=int(prompt.record.get("regenerations", 0)), advantages=outcome.advantages,
+                valid=valid[i], zero_variance=outcome.zero_variance, token_versions=result.versions,
+                routing=result.routing)
             self.collector.mark_finished(prompt.ordinal)
             self.buffer.put(group)
         self._stop_if_rewards_keep_failing()
@@ -642,11 +641,10 @@ def episode_group(prompt: Prompt, episodes: list[EpisodeResult], rewards: np.nda
     return Group(
         ordinal=prompt.ordinal, prompt=prompt.record, completions=completions, behaviour_logprobs=logprobs,
         rewards=rewards.astype(np.float32), weight_version=int(min(v.min() for v in versions)),
-        regenerations=int(prompt.record.get("regenerations", 0)),
-        extras={"advantages": advantages.astype(np.float32), "valid": np.asarray(valid, bool),
-                "zero_variance": zero_variance, "token_versions": versions, SEGMENT_PROMPTS: prompts,
-                SEGMENT_MASKS: masks, SEGMENT_TRAJECTORY: np.asarray(owner, np.int32),
-                "episode_stats": stats, "reward_parts": parts, "reward_part_names": names, "step_rewards": steps})
+        regenerations=int(prompt.record.get("regenerations", 0)), advantages=advantages.astype(np.float32),
+        valid=np.asarray(valid, bool), zero_variance=zero_variance, token_versions=versions,
+        segments=Segments(prompts=prompts, masks=masks, trajectory=np.asarray(owner, np.int32)),
+        episodes=EpisodeStats(stats=stats, reward_parts=parts, reward_part_names=names, step_rewards=steps))
 
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "segments", "truncated", "env_seconds")  # episode_stats columns
@@ -664,18 +662,18 @@ def episode_metrics(groups: list[Group]) -> dict:
     (env/turns, env/tool_calls, env/tool_errors, env/segments, env/truncated: the share cut off, env/latency_s:
     time in the environment's calls), each named reward part's mean (reward/part_<name>), and, when steps gave
     rewards, env/step_reward (their mean) and env/rewarded_steps (per episode)."""
-    stats = [g.extras["episode_stats"] for g in groups if "episode_stats" in g.extras]
+    stats = [g.episodes.stats for g in groups if g.episodes is not None]
     if not stats:
         return {}
     stats = np.concatenate(stats)
     out = {f"env/{'latency_s' if name == 'env_seconds' else name}": float(stats[:, k].mean())
            for k, name in enumerate(EPISODE_STATS)}
-    steps = [np.asarray(g.extras["step_rewards"]).ravel() for g in groups if "step_rewards" in g.extras]
+    steps = [np.asarray(g.episodes.step_rewards).ravel() for g in groups if g.episodes is not None]
     steps = np.concatenate(steps) if steps else np.zeros(0)
     if np.isfinite(steps).any():
         out["env/step_reward"] = float(np.nanmean(steps))
         out["env/rewarded_steps"] = float(np.isfinite(steps).sum() / len(stats))
     for g in groups:
-        for k, name in enumerate(g.extras.get("reward_part_names", ())):
-            out.setdefault(f"reward/part_{name}", []).append(np.asarray(g.extras["reward_parts"])[:, k])
+        for k, name in enumerate(g.episodes.reward_part_names if g.episodes is not None else ()):
+            out.setdefault(f"reward/part_{name}", []).append(np.asarray(g.episodes.reward_parts)[:, k])
     return {k: float(np.nanmean(np.concatenate(v))) if isinstance(v, list) else v for k, v in out.items()}

@@ -244,8 +244,7 @@ class RunPlan:
     @property
     def sequences_per_sample(self) -> int:
         """The learner sequences one sample can make: 1, or with a multi-turn environment (config.env) its
-        max_turns (a trajectory is cut into at most one segment per assistant turn; replay_buffer's
-        SEGMENT_TRAJECTORY)."""
+        max_turns (a trajectory is cut into at most one segment per assistant turn; replay_buffer.Segments)."""
         env = self.config.env
         return 1 if env is None else max(1, int(env.max_turns))
 

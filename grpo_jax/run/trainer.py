@@ -72,9 +72,6 @@ from grpo_jax.run.signals import StopSignals
 from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
 from grpo_jax.state.ledger import Ledger, LedgerDamaged, check_covered, global_ordinal, ledger_file
 from grpo_jax.state.replay_buffer import (
-    SEGMENT_MASKS,
-    SEGMENT_PROMPTS,
-    SEGMENT_TRAJECTORY,
     ArrayPool,
     Group,
     ReplayBuffer,
@@ -185,22 +182,21 @@ def unpack_process_state(data: np.ndarray, sealed: bool) -> tuple[dict, dict[str
 def group_sequences(group: Group, group_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, samples): which of the group's rows are learner sequences, in order, and the sample (completion, or
     trajectory of a segment group) each belongs to, for its advantage and validity. An ordinary group: its first
-    group_size completions, each its own sample. A segment group (replay_buffer.SEGMENT_TRAJECTORY): every
+    group_size completions, each its own sample. A segment group (Group.segments): every
     segment of its first group_size trajectories. ValueError, naming the group and key, for a segment group
     whose per-segment lists disagree in length."""
     if not group.segmented:
         rows = np.arange(min(group_size, len(group.completions)))
         return rows, rows
-    trajectory = np.asarray(group.extras[SEGMENT_TRAJECTORY], np.int64).reshape(-1)
+    trajectory = np.asarray(group.segments.trajectory, np.int64).reshape(-1)
     per_segment = {"completions": len(group.completions), "behaviour_logprobs": len(group.behaviour_logprobs),
-                   f'extras["{SEGMENT_PROMPTS}"]': len(group.extras.get(SEGMENT_PROMPTS, ())),
-                   f'extras["{SEGMENT_MASKS}"]': len(group.extras.get(SEGMENT_MASKS, ()))}
+                   "segments.prompts": len(group.segments.prompts), "segments.masks": len(group.segments.masks)}
     for key, n in per_segment.items():
         if n != len(trajectory):
-            raise ValueError(f'group of ordinal {group.ordinal}: {key} has {n} entries, extras["{SEGMENT_TRAJECTORY}"] '
+            raise ValueError(f"group of ordinal {group.ordinal}: {key} has {n} entries, segments.trajectory "
                              f"{len(trajectory)} segments; the actor must give one per segment")
     if (trajectory < 0).any():
-        raise ValueError(f'group of ordinal {group.ordinal}: extras["{SEGMENT_TRAJECTORY}"] holds a negative '
+        raise ValueError(f"group of ordinal {group.ordinal}: segments.trajectory holds a negative "
                          f"trajectory index ({trajectory.min()}); each must be in 0 .. G - 1")
     rows = np.flatnonzero(trajectory < group_size)
     return rows, trajectory[rows]
@@ -210,39 +206,39 @@ def group_rows(groups: list[Group], group_size: int):
     """Flatten groups into learner sequences (group_sequences' rows, group after group): prompts, completions,
     behaviour log-probs (lists of arrays, one per sequence; an ordinary group's prompt array is shared by its
     rows), advantages [sequences] (a segment's is its trajectory's), and completion masks: None when no group is
-    a segment group, else one float32 0/1 array per sequence (a segment's extras["segment_masks"]; all ones for
+    a segment group, else one float32 0/1 array per sequence (a segment's mask, Group.segments; all ones for
     an ordinary group's completion), for pack_batch / pack_sequences. No per-token Python."""
     prompts, completions, logprobs, advantages = [], [], [], []
     masks = [] if any(group.segmented for group in groups) else None
     for group in groups:
         rows, samples = group_sequences(group, group_size)
         if group.segmented:
-            prompts += [np.asarray(group.extras[SEGMENT_PROMPTS][i], np.int32) for i in rows]
-            masks += [np.asarray(group.extras[SEGMENT_MASKS][i], np.float32) for i in rows]
+            prompts += [np.asarray(group.segments.prompts[i], np.int32) for i in rows]
+            masks += [np.asarray(group.segments.masks[i], np.float32) for i in rows]
         else:
             prompts += [np.asarray(group.prompt["prompt_ids"], np.int32)] * len(rows)
             if masks is not None:
                 masks += [np.ones(len(group.completions[i]), np.float32) for i in rows]
         completions += [np.asarray(group.completions[i], np.int32) for i in rows]
         logprobs += [np.asarray(group.behaviour_logprobs[i], np.float32) for i in rows]
-        advantages.append(np.asarray(group.extras["advantages"], np.float32)[samples])
+        advantages.append(np.asarray(group.advantages, np.float32)[samples])
     advantages = np.concatenate(advantages) if groups else np.zeros(0, np.float32)
     return prompts, completions, logprobs, advantages, masks
 
 
 def group_routing(groups: list[Group], group_size: int, rows: int) -> list | None:
     """Per row, in group_rows' order, the experts its input tokens went through when sampled (the group's
-    extras["routing"], one per row of the group); rows past the groups' (padding) route nowhere they are read.
+    Group.routing, one per row of the group); rows past the groups' (padding) route nowhere they are read.
     None without routing."""
-    if not groups or "routing" not in groups[0].extras:
+    if not groups or groups[0].routing is None:
         return None
-    out = [np.asarray(group.extras["routing"][i], np.int32) for group in groups
+    out = [np.asarray(group.routing[i], np.int32) for group in groups
            for i in group_sequences(group, group_size)[0]]
     return out + [np.zeros((0, *out[0].shape[1:]), np.int32)] * (rows - len(out))
 
 
 def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
-    """[rows] bool, in group_rows' order: whether each row's reward was scored (its sample's extras["valid"]: a
+    """[rows] bool, in group_rows' order: whether each row's reward was scored (its sample's Group.valid: a
     segment takes its trajectory's; all when the group has none). Rows past the groups' (padding) are False. A
     failed row must train nothing, like padding (pack_batch's `valid`): its advantage is 0, but left in the batch
     it would still count in every loss denominator and get the KL gradient."""
@@ -250,8 +246,7 @@ def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
     start = 0
     for group in groups:
         _, samples = group_sequences(group, group_size)
-        valid = group.extras.get("valid")
-        out[start:start + len(samples)] = True if valid is None else np.asarray(valid, bool)[samples]
+        out[start:start + len(samples)] = True if group.valid is None else np.asarray(group.valid, bool)[samples]
         start += len(samples)
     return out
 
@@ -261,8 +256,8 @@ def sample_lengths(group: Group) -> np.ndarray:
     trajectory's segment masks (environment tokens are not the model's)."""
     if not group.segmented:
         return np.array([len(c) for c in group.completions], np.int64)
-    trajectory = np.asarray(group.extras[SEGMENT_TRAJECTORY], np.int64).reshape(-1)
-    sampled = np.array([np.sum(np.asarray(m, np.float32)) for m in group.extras[SEGMENT_MASKS]], np.int64)
+    trajectory = np.asarray(group.segments.trajectory, np.int64).reshape(-1)
+    sampled = np.array([np.sum(np.asarray(m, np.float32)) for m in group.segments.masks], np.int64)
     return np.bincount(trajectory, weights=sampled, minlength=len(group.rewards)).astype(np.int64)
 
 
@@ -271,7 +266,7 @@ def sequence_tokens(group: Group, group_size: int) -> int:
     count."""
     if not group.segmented:
         return int(sum(len(c) for c in group.completions) + len(group.prompt["prompt_ids"]) * group_size)
-    return int(sum(len(p) + len(c) for p, c in zip(group.extras[SEGMENT_PROMPTS], group.completions)))
+    return int(sum(len(p) + len(c) for p, c in zip(group.segments.prompts, group.completions)))
 
 
 class Trainer:
@@ -615,8 +610,8 @@ class Trainer:
         """_group_fits for a segment group: each segment in one packed row (prompt + completion within the row's
         tokens, its sampled tokens within the completion bucket, the row's trained budget)."""
         length = self.plan.row_length
-        for i, (prompt, completion, mask) in enumerate(zip(group.extras[SEGMENT_PROMPTS], group.completions,
-                                                           group.extras[SEGMENT_MASKS])):
+        for i, (prompt, completion, mask) in enumerate(zip(group.segments.prompts, group.completions,
+                                                           group.segments.masks)):
             if len(prompt) + len(completion) > length:
                 return (f"segment {i} has {len(prompt)} + {len(completion)} tokens, over a learner row of {length} "
                         f"(prompt limit {self.prompt_bucket} + sampler.max_new_tokens={self.completion_bucket})")
@@ -1048,7 +1043,7 @@ class Trainer:
         metrics.update(self._sync_weights())
         staleness = [step - v for v in versions] or [0]
         if groups:
-            rewards = np.concatenate([grp.rewards[grp.extras["valid"]] for grp in groups])
+            rewards = np.concatenate([grp.rewards if grp.valid is None else grp.rewards[grp.valid] for grp in groups])
             lengths = np.concatenate([sample_lengths(grp) for grp in groups])
         else:  # several processes, the end of the data: this one only padded
             rewards, lengths = np.array([np.nan]), np.array([0])
@@ -1060,7 +1055,7 @@ class Trainer:
             "staleness/mean": float(np.mean(staleness)), "staleness/max": int(np.max(staleness)),
             "staleness/values": staleness, "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
             "time/learner_s": learn_seconds,
-            "zero_variance_groups": int(sum(grp.extras["zero_variance"] for grp in groups)),
+            "zero_variance_groups": int(sum(grp.zero_variance for grp in groups)),
             "frontier": counts["frontier"], "dropped": sum(counts["dropped"].values()),
             "actor/tokens_per_s": self.actor.generated_tokens / max(self.actor.generate_seconds, 1e-9),
             "_tokens": sum(sequence_tokens(grp, g) for grp in groups),
