@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from conftest import jitted_token_logprobs
-from grpo_jax.algorithm.learner import pack_batch
+from grpo_jax.algorithm.batch import pack_batch
 from grpo_jax.algorithm.losses import LossConfig, policy_loss
 from grpo_jax.model.transformer import ModelConfig, create_model
 from grpo_jax.parallel.sharding import MeshConfig, make_mesh, shard_module

@@ -10,14 +10,8 @@ import pytest
 from flax import nnx
 
 from conftest import jitted_token_logprobs
-from grpo_jax.algorithm.learner import (
-    Learner,
-    NonFiniteError,
-    OptimConfig,
-    TrainBatch,
-    learning_rate_schedule,
-    pack_batch,
-)
+from grpo_jax.algorithm.batch import pack_batch
+from grpo_jax.algorithm.learner import Learner, NonFiniteError, OptimConfig, TrainBatch, learning_rate_schedule
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model.transformer import ModelConfig, create_model
 from test_sampler import _filtered_logprobs  # the sampler's numpy reference: one truth for both

@@ -15,7 +15,8 @@ import safetensors.numpy
 from flax import nnx
 
 from conftest import jitted_token_logprobs
-from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch
+from grpo_jax.algorithm.batch import pack_batch
+from grpo_jax.algorithm.learner import Learner, OptimConfig
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.config_io import ConfigError, build_config, load_config
 from grpo_jax.errors import CheckpointError

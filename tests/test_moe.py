@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax.algorithm.learner import batch_logprobs, pack_batch, pack_sequences
+from grpo_jax.algorithm.batch import pack_batch, pack_sequences
+from grpo_jax.algorithm.learner import batch_logprobs
 from grpo_jax.config_io import ConfigError
 from grpo_jax.model.hf import checkpoint_config
 from grpo_jax.model.transformer import (

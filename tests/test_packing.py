@@ -12,9 +12,7 @@ import pytest
 from flax import nnx
 
 from conftest import jitted_token_logprobs
-from grpo_jax.algorithm.learner import (
-    Learner,
-    OptimConfig,
+from grpo_jax.algorithm.batch import (
     pack_batch,
     pack_layout,
     pack_sequences,
@@ -22,8 +20,8 @@ from grpo_jax.algorithm.learner import (
     packed_rows_for,
     padding_fraction,
     sequence_lengths,
-    token_logprobs,
 )
+from grpo_jax.algorithm.learner import Learner, OptimConfig, token_logprobs
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model.transformer import ModelConfig, create_model, positions_from_mask
 

@@ -84,8 +84,9 @@ def step_groups(trainer, prompt_len: int, completion_len: int) -> list[Group]:
 def one_step_batch(trainer, prompt_len: int = 0, completion_len: int = 0):
     """A whole step's rows as the trainer lays them out (this process's rows, NumPy) and its padding metrics; by
     default every sequence at the buckets' lengths: the most rows a packed step can need (compile's memory)."""
-    return trainer.learner_batch(step_groups(trainer, prompt_len or trainer.prompt_bucket,
-                                             completion_len or trainer.completion_bucket))
+    batch, padding, _ = trainer.learner_batch(step_groups(trainer, prompt_len or trainer.prompt_bucket,
+                                                          completion_len or trainer.completion_bucket))
+    return batch, padding
 
 
 def test_the_learner_step_is_called_with_the_arguments_compile_compiles_it_for(trainer_and_plan):

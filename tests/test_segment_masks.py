@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.algorithm.learner import (
-    Learner,
-    OptimConfig,
-    batch_logprobs,
+from grpo_jax.algorithm.batch import (
+    groups_trained,
     pack_batch,
     pack_layout,
     pack_sequences,
     sequence_lengths,
+    sequences_of,
 )
+from grpo_jax.algorithm.learner import Learner, OptimConfig, batch_logprobs
 from grpo_jax.algorithm.losses import AGGREGATIONS, LossConfig, policy_loss
 from grpo_jax.model.transformer import create_model
 from grpo_jax.run.plan import RunPlan
@@ -244,15 +244,20 @@ def segment_group(ordinal: int, rng, group_size: int, row_length: int, sampled_b
 
 
 def fake_trainer(tmp_path, *overrides, max_turns: int = 3):
-    """What Trainer.learner_batch and _groups_trained read, around the real RunPlan of a tiny config with an env
-    section: no model, no actor."""
+    """What Trainer.learner_batch reads (and algorithm.batch's layout), around the real RunPlan of a tiny config
+    with an env section: no model, no actor."""
     config = tiny_config(tmp_path, *overrides)
     plan = RunPlan.build(config, jax.devices(), process_word="host")
     plan = dataclasses.replace(plan, config=WithEnv(config, max_turns))
-    return types.SimpleNamespace(
-        config=config, plan=plan, local_prompts=plan.local_prompts, process_index=0,
-        prompt_bucket=plan.prompt_bucket, completion_bucket=plan.completion_bucket,
-        tokenizer=types.SimpleNamespace(pad_id=0), agreement=types.SimpleNamespace(gather=np.asarray))
+    return FakeTrainer(config=config, plan=plan, local_prompts=plan.local_prompts, process_index=0,
+                       prompt_bucket=plan.prompt_bucket, completion_bucket=plan.completion_bucket,
+                       agreement=types.SimpleNamespace(gather=np.asarray))
+
+
+class FakeTrainer(types.SimpleNamespace):
+    @property
+    def batch_layout(self):  # from the plan as it is now (a test may replace it)
+        return self.plan.batch_layout(self.process_index, pad_id=0)
 
 
 def test_the_plan_makes_room_for_every_segment_alone_in_a_row(tmp_path):
@@ -286,7 +291,7 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
     assert valid.tolist() == [bool(grp.valid[grp.segments.trajectory[i]]) for grp, i in segments
                               ] + [False, False]
 
-    batch, padding = Trainer.learner_batch(trainer, groups)
+    batch, padding, _ = Trainer.learner_batch(trainer, groups)
     assert padding["learner/rows"] in trainer.plan.packed_row_sizes
     tokens, labels = np.asarray(batch.tokens), np.asarray(batch.input_mask)
     loss_mask, behaviour = np.asarray(batch.loss_mask), np.asarray(batch.behaviour_logprobs)
@@ -323,7 +328,7 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
 
     # Two mini-batches: a trajectory's segments are in one (trajectory n in mini-batch n % 2), whatever their rows.
     two = fake_trainer(tmp_path / "two", "optim.mini_batches=2")
-    two_batch, _ = Trainer.learner_batch(two, groups)
+    two_batch, _, _ = Trainer.learner_batch(two, groups)
     numbers, rows = np.asarray(two_batch.trajectories), np.arange(len(two_batch.tokens))[:, None]
     placed = numbers >= 0
     assert ((np.broadcast_to(rows, numbers.shape)[placed] % 2) == numbers[placed] % 2).all()
@@ -338,8 +343,9 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
                                                    masks=[groups[1].segments.masks[i] for i in keep],
                                                    trajectory=groups[1].segments.trajectory[keep]))
     three = [groups[0], single, groups[2]]  # trajectories 0 .. g-1, g (the single one: mini-batch 0), g+1 .. 2g
-    assert Trainer._groups_trained(two, three, np.array([False, True])) == [True, False, True]
-    assert Trainer._groups_trained(two, three, np.array([True, False])) == [True, True, True]
+    sequences = sequences_of(three, two.batch_layout)
+    assert groups_trained(sequences, two.batch_layout, np.array([False, True])) == [True, False, True]
+    assert groups_trained(sequences, two.batch_layout, np.array([True, False])) == [True, True, True]
     broken = segment_group(9, rng, g, length, budget)
     del broken.segments.masks[1:]  # masks missing: refused, naming the field
     with pytest.raises(ValueError, match=r"segments.masks has 1 entries"):
@@ -369,7 +375,7 @@ def test_a_segment_step_is_the_batch_compile_compiles_the_learner_for(tmp_path):
                       for i in range(trainer.local_prompts)]
         else:
             groups = [segment_group(i, rng, g, trainer.plan.row_length, trainer.completion_bucket) for i in range(2)]
-        batch, padding = Trainer.learner_batch(trainer, groups)
+        batch, padding, _ = Trainer.learner_batch(trainer, groups)
         assert (batch.trajectories is not None) == (turns is not None) == trainer.plan.trains_segments
         abstract = trainer.plan.abstract_batch(rows=padding["learner/rows"])
         assert jax.tree.structure(batch) == jax.tree.structure(abstract)
@@ -388,7 +394,7 @@ def test_ordinary_groups_are_laid_out_as_before_and_segments_need_packing(tmp_pa
               for i in range(trainer.local_prompts)]
     prompts, completions, logprobs, advantages, masks = group_rows(groups, g)
     assert masks is None and len(prompts) == trainer.local_prompts * g
-    batch, _ = Trainer.learner_batch(trainer, groups)
+    batch, _, _ = Trainer.learner_batch(trainer, groups)
     length = trainer.plan.row_length
     layout = pack_layout(*sequence_lengths(prompts, completions)[:2], length, trainer.completion_bucket)
     want = pack_sequences(prompts, completions, logprobs, advantages, 0, length, trainer.completion_bucket,

@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax.algorithm.advantages import group_advantages  # noqa: E402
-from grpo_jax.algorithm.learner import Learner, OptimConfig, pack_batch, token_logprobs  # noqa: E402
+from grpo_jax.algorithm.batch import pack_batch  # noqa: E402
+from grpo_jax.algorithm.learner import Learner, OptimConfig, token_logprobs  # noqa: E402
 from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
 from grpo_jax.model.transformer import ModelConfig, create_model  # noqa: E402
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig  # noqa: E402

@@ -37,7 +37,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from grpo_jax.algorithm.learner import TrainBatch, pack_batch  # noqa: E402
+from grpo_jax.algorithm.batch import pack_batch
+from grpo_jax.algorithm.learner import TrainBatch
 from grpo_jax.run.trainer import group_rows  # noqa: E402
 from grpo_jax.state.replay_buffer import Group, ReplayBuffer  # noqa: E402
 

@@ -148,9 +148,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from grpo_jax.algorithm.learner import (  # noqa: E402
-    Learner,
-    OptimConfig,
+from grpo_jax.algorithm.batch import (  # noqa: E402
     pack_batch,
     pack_layout,
     pack_sequences,
@@ -158,8 +156,8 @@ from grpo_jax.algorithm.learner import (  # noqa: E402
     packed_rows_for,
     padding_fraction,
     sequence_lengths,
-    token_logprobs,
 )
+from grpo_jax.algorithm.learner import Learner, OptimConfig, token_logprobs  # noqa: E402
 from grpo_jax.algorithm.losses import LossConfig  # noqa: E402
 from grpo_jax.model.lora import LoraConfig, init_adapters  # noqa: E402
 from grpo_jax.model.transformer import ModelConfig, count_params, create_model  # noqa: E402

@@ -24,7 +24,7 @@ Sequences. Every per-sequence quantity (the sequence means of the aggregations, 
 advantage statistics, num_seqs) is a segment reduction over a static number of sequence slots (Sequences):
 either one sequence per row (`sequence_ids` None, advantages [B]: the padded layout), or K slots per row
 (`sequence_ids` [B, T], each token's slot in [0, K) in its row, advantages [B, K]: rows packed with several
-sequences, learner.pack_sequences). A slot without tokens counts nowhere, so the two layouts of the same
+sequences, batch.pack_sequences). A slot without tokens counts nowhere, so the two layouts of the same
 sequences give the same loss, gradient and metrics (up to float summation order).
 
 Trajectories. A multi-turn trajectory may be cut into several sequences (segments; Trajectories says which): every

@@ -32,15 +32,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.algorithm.learner import (
-    TrainBatch,
-    jit_train_step,
-    make_optimizer,
-    make_train_step,
-    pack_layout,
-    packed_row_sizes,
-    packed_rows_for,
-)
+from grpo_jax.algorithm.batch import BatchLayout, pack_layout, packed_row_sizes, packed_rows_for
+from grpo_jax.algorithm.learner import TrainBatch, jit_train_step, make_optimizer, make_train_step
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.lora import LoraConfig, init_adapters
 from grpo_jax.model.transformer import DTYPES, ModelConfig, abstract_model
@@ -235,7 +228,7 @@ class RunPlan:
     @property
     def packed_row_unit(self) -> int:
         """Each process's packed row count is a multiple of this: of the mini-batches (each has its rows, see
-        learner.pack_layout), of the rows a micro-batch takes from every process's share of a mini-batch, and of
+        batch.pack_layout), of the rows a micro-batch takes from every process's share of a mini-batch, and of
         the process's batch devices (data x fsdp / processes)."""
         mini, micro = self.config.optim.mini_batches, self.micro_rows or 1
         local_devices = max(self.learner_mesh.shape["data"] * self.learner_mesh.shape["fsdp"] // self.processes, 1)
@@ -268,6 +261,15 @@ class RunPlan:
         """The per-process packed row count a step uses when the process that needs the most needs `needed`."""
         return packed_rows_for(needed, self.packed_row_sizes)
 
+    def batch_layout(self, process_index: int, pad_id: int) -> BatchLayout:
+        """How process `process_index` lays out its groups of a step as learner rows (algorithm.batch)."""
+        step_sequences = self.local_prompts * self.config.grpo.group_size
+        return BatchLayout(group_size=self.config.grpo.group_size, mini_batches=self.config.optim.mini_batches,
+                           step_sequences=step_sequences, first_sequence=process_index * step_sequences,
+                           prompt_len=self.prompt_bucket, completion_len=self.completion_bucket, packing=self.packing,
+                           trains_segments=self.trains_segments, replays_routing=self.model.replays_routing,
+                           pad_id=pad_id)
+
     @property
     def expected_lengths(self) -> tuple[int, int]:
         """(prompt, completion) tokens of the expected sequence (optim.expected_*_len; 0: the buckets)."""
@@ -283,7 +285,7 @@ class RunPlan:
     @property
     def expected_learner_rows(self) -> int:
         """The learner batch's rows, all processes, when every sequence has the expected lengths (packed: each
-        process's sequences packed by learner.pack_layout, then rounded up to a size; padded: one per sequence)."""
+        process's sequences packed by batch.pack_layout, then rounded up to a size; padded: one per sequence)."""
         if not self.packing:
             return self.rows
         prompt, completion = self.expected_lengths
@@ -370,8 +372,8 @@ class RunPlan:
         return jax.tree_util.tree_map_with_path(place, shapes)
 
     def abstract_batch(self, rows: int | None = None, sharding: NamedSharding | None = None) -> TrainBatch:
-        """A TrainBatch of ShapeDtypeStructs as the trainer lays it out: learner.pack_sequences's packed rows with
-        optim.packing, else learner.pack_batch's (default: the most rows a step can have, learner_rows, split as
+        """A TrainBatch of ShapeDtypeStructs as the trainer lays it out: batch.pack_sequences's packed rows with
+        optim.packing, else batch.pack_batch's (default: the most rows a step can have, learner_rows, split as
         the trainer commits them)."""
         rows = self.learner_rows if rows is None else rows
         length = self.row_length

@@ -38,17 +38,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.algorithm.learner import (
-    Learner,
-    TrainBatch,
-    mini_batch_of_row,
-    pack_batch,
-    pack_layout,
-    pack_sequences,
-    padding_fraction,
-    sequence_lengths,
-    trajectory_numbers,
+from grpo_jax.algorithm.batch import (  # group_rows .. row_validity: also importable from here, as before
+    Sequences,
+    assemble,
+    group_routing,  # noqa: F401
+    group_rows,  # noqa: F401
+    group_sequences,  # noqa: F401
+    groups_trained,
+    padding_metrics,
+    row_validity,  # noqa: F401
+    rows_needed,
+    sequences_of,
 )
+from grpo_jax.algorithm.learner import Learner, TrainBatch
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
@@ -179,78 +181,6 @@ def unpack_process_state(data: np.ndarray, sealed: bool) -> tuple[dict, dict[str
 # ------------------------------------------------------------------------------------------ trainer
 
 
-def group_sequences(group: Group, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, samples): which of the group's rows are learner sequences, in order, and the sample (completion, or
-    trajectory of a segment group) each belongs to, for its advantage and validity. An ordinary group: its first
-    group_size completions, each its own sample. A segment group (Group.segments): every
-    segment of its first group_size trajectories. ValueError, naming the group and key, for a segment group
-    whose per-segment lists disagree in length."""
-    if not group.segmented:
-        rows = np.arange(min(group_size, len(group.completions)))
-        return rows, rows
-    trajectory = np.asarray(group.segments.trajectory, np.int64).reshape(-1)
-    per_segment = {"completions": len(group.completions), "behaviour_logprobs": len(group.behaviour_logprobs),
-                   "segments.prompts": len(group.segments.prompts), "segments.masks": len(group.segments.masks)}
-    for key, n in per_segment.items():
-        if n != len(trajectory):
-            raise ValueError(f"group of ordinal {group.ordinal}: {key} has {n} entries, segments.trajectory "
-                             f"{len(trajectory)} segments; the actor must give one per segment")
-    if (trajectory < 0).any():
-        raise ValueError(f"group of ordinal {group.ordinal}: segments.trajectory holds a negative "
-                         f"trajectory index ({trajectory.min()}); each must be in 0 .. G - 1")
-    rows = np.flatnonzero(trajectory < group_size)
-    return rows, trajectory[rows]
-
-
-def group_rows(groups: list[Group], group_size: int):
-    """Flatten groups into learner sequences (group_sequences' rows, group after group): prompts, completions,
-    behaviour log-probs (lists of arrays, one per sequence; an ordinary group's prompt array is shared by its
-    rows), advantages [sequences] (a segment's is its trajectory's), and completion masks: None when no group is
-    a segment group, else one float32 0/1 array per sequence (a segment's mask, Group.segments; all ones for
-    an ordinary group's completion), for pack_batch / pack_sequences. No per-token Python."""
-    prompts, completions, logprobs, advantages = [], [], [], []
-    masks = [] if any(group.segmented for group in groups) else None
-    for group in groups:
-        rows, samples = group_sequences(group, group_size)
-        if group.segmented:
-            prompts += [np.asarray(group.segments.prompts[i], np.int32) for i in rows]
-            masks += [np.asarray(group.segments.masks[i], np.float32) for i in rows]
-        else:
-            prompts += [np.asarray(group.prompt["prompt_ids"], np.int32)] * len(rows)
-            if masks is not None:
-                masks += [np.ones(len(group.completions[i]), np.float32) for i in rows]
-        completions += [np.asarray(group.completions[i], np.int32) for i in rows]
-        logprobs += [np.asarray(group.behaviour_logprobs[i], np.float32) for i in rows]
-        advantages.append(np.asarray(group.advantages, np.float32)[samples])
-    advantages = np.concatenate(advantages) if groups else np.zeros(0, np.float32)
-    return prompts, completions, logprobs, advantages, masks
-
-
-def group_routing(groups: list[Group], group_size: int, rows: int) -> list | None:
-    """Per row, in group_rows' order, the experts its input tokens went through when sampled (the group's
-    Group.routing, one per row of the group); rows past the groups' (padding) route nowhere they are read.
-    None without routing."""
-    if not groups or groups[0].routing is None:
-        return None
-    out = [np.asarray(group.routing[i], np.int32) for group in groups
-           for i in group_sequences(group, group_size)[0]]
-    return out + [np.zeros((0, *out[0].shape[1:]), np.int32)] * (rows - len(out))
-
-
-def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
-    """[rows] bool, in group_rows' order: whether each row's reward was scored (its sample's Group.valid: a
-    segment takes its trajectory's; all when the group has none). Rows past the groups' (padding) are False. A
-    failed row must train nothing, like padding (pack_batch's `valid`): its advantage is 0, but left in the batch
-    it would still count in every loss denominator and get the KL gradient."""
-    out = np.zeros(rows, bool)
-    start = 0
-    for group in groups:
-        _, samples = group_sequences(group, group_size)
-        out[start:start + len(samples)] = True if group.valid is None else np.asarray(group.valid, bool)[samples]
-        start += len(samples)
-    return out
-
-
 def sample_lengths(group: Group) -> np.ndarray:
     """Per sample, the tokens the model sampled (the length/* metrics): a completion's length, or the sum of a
     trajectory's segment masks (environment tokens are not the model's)."""
@@ -329,6 +259,7 @@ class Trainer:
         grpo = config.grpo
         # One fixed learner shape for the run (no recompiles): the data marks prompts over either limit bad_row.
         self.prompt_bucket, self.completion_bucket = plan.prompt_bucket, plan.completion_bucket
+        self.batch_layout = plan.batch_layout(self.process_index, self.tokenizer.pad_id)
         self.buffer_capacity = plan.buffer_capacity
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
         self.run_lock.watch(self.checkpoints.directory)  # deleted under the run: _train_loop saves again and stops
@@ -957,79 +888,28 @@ class Trainer:
         for row in self.evaluation.finished():
             writer.write_eval(row)
 
-    def learner_batch(self, groups: list[Group]) -> tuple[TrainBatch, dict]:
-        """This process's part of a step's learner batch (NumPy), and its padding metrics.
-
-        Its sequences are the groups' rows (group_rows), then empty ones up to a whole step (the last step of
-        a finite dataset), sequence i being a segment of the step's trajectory P x rows + t (rows: local prompts x
-        group size, the mini-batch phase; t: learner.trajectory_numbers, i itself unless segment groups cut a
-        trajectory into several sequences), which sets its mini-batch. With RunPlan.trains_segments the batch says
-        which sequences are one trajectory (TrainBatch.trajectories: one sequence for the losses' sequence
-        means and GSPO's ratio). Segment groups (multi-turn
-        environments) carry completion masks (only sampled tokens train) and need optim.packing (TrainerError
-        otherwise): their sequences vary in number and length beyond the padded layout's. optim.packing: packed rows
-        (learner.pack_sequences), every process the same number of them (the most any needs, agreed, rounded up
-        to one of RunPlan.packed_row_sizes, so a run compiles a few programs); else one sequence per row
-        (pack_batch). learner/padding_fraction: the share of the token slots one sequence per row would use
-        that hold no token of a trained sequence (padding, rows that train nothing);
-        learner/padding_fraction_packed: the same for the rows the learner gets (equal without packing);
-        learner/rows: their number (this process's)."""
-        g = self.config.grpo.group_size
-        prompts, completions, logprobs, advantages, masks = group_rows(groups, g)
-        plan, length = self.plan, self.plan.row_length
-        if masks is not None and not plan.packing:
-            raise TrainerError("multi-turn environment groups (segments with environment tokens) train only in "
-                               "packed rows: set optim.packing=true")
-        full = self.local_prompts * g
-        if len(prompts) < full:  # the last step of a finite dataset: pad with rows that train nothing
-            missing = full - len(prompts)
-            prompts += [prompts[0] if prompts else np.full(1, self.tokenizer.pad_id, np.int32)] * missing
-            completions += [np.zeros(0, np.int32)] * missing
-            logprobs += [np.zeros(0, np.float32)] * missing
-            advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
-            if masks is not None:
-                masks += [np.zeros(0, np.float32)] * missing
-        valid = row_validity(groups, g, len(prompts))
-        replays = self.plan.model.replays_routing
-        routing = group_routing(groups, g, len(prompts)) if replays else None
-        if replays and routing is None:
-            raise TrainerError("routing replay: the groups of this step carry no routing (the actor records it "
-                               "only with sampler.engine=continuous); set model.routing_replay=false")
-        prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
-        trained_tokens = int((prompt_lengths + completion_lengths)[trained_lengths > 0].sum())
-        trajectories = trajectory_numbers([group_sequences(grp, g)[1] for grp in groups], len(prompts))
-        if plan.packing:
-            layout = pack_layout(prompt_lengths, completion_lengths, length, self.completion_bucket,
-                                 self.config.optim.mini_batches, first_sequence=self.process_index * full,
-                                 trained_lengths=trained_lengths, trajectories=trajectories)
-            # Every process feeds the same number of rows: the most any needs (gathers run in the same order
-            # everywhere: every process learns every step).
-            rows = plan.packed_rows(int(self.agreement.gather([layout.rows]).max()))
-            batch = pack_sequences(prompts, completions, logprobs, advantages, self.tokenizer.pad_id, length,
-                                   self.completion_bucket, self.config.optim.mini_batches,
-                                   first_sequence=self.process_index * full, layout=layout, rows=rows,
-                                   routing=routing, completion_masks=masks,
-                                   trajectories=trajectories if plan.trains_segments else None)
-        else:
-            rows = full
-            batch = pack_batch(prompts, completions, logprobs, advantages, self.tokenizer.pad_id,
-                               self.prompt_bucket, self.completion_bucket, valid=valid, routing=routing,
-                               completion_masks=masks)
-        # One sequence per row would take a row per sequence: a step's worth, or more with segments.
-        return batch, {"learner/padding_fraction": padding_fraction(trained_tokens, max(full, len(prompts)), length),
-                       "learner/padding_fraction_packed": padding_fraction(trained_tokens, rows, length),
-                       "learner/rows": rows}
+    def learner_batch(self, groups: list[Group]) -> tuple[TrainBatch, dict, Sequences]:
+        """This process's part of a step's learner batch (NumPy), its padding metrics, and the sequences it was
+        laid out from (for groups_trained): algorithm.batch's hand-off. Packed, every process feeds the same
+        number of rows: the most any needs, agreed (gathers run in the same order everywhere: every process
+        learns every step), rounded up to one of RunPlan.packed_row_sizes."""
+        layout = self.batch_layout
+        sequences = sequences_of(groups, layout)
+        rows = rows_needed(sequences, layout)
+        if layout.packing:
+            rows = self.plan.packed_rows(int(self.agreement.gather([rows]).max()))
+        return assemble(sequences, layout, rows), padding_metrics(sequences, layout, rows), sequences
 
     def _learn(self, groups: list[Group], step: int) -> dict:
         g = self.config.grpo.group_size
-        batch, padding = self.learner_batch(groups)
+        batch, padding, sequences = self.learner_batch(groups)
         batch = self.device_batch(batch)
         learn_start = time.perf_counter()
         metrics, applied = self.learner.step(batch)
         metrics.update(padding)
         learn_seconds = time.perf_counter() - learn_start
         self.version += 1
-        trained = self._groups_trained(groups, applied)
+        trained = groups_trained(sequences, self.batch_layout, applied)
         for grp, ok in zip(groups, trained):
             if not ok:  # none of its updates was applied: it trained nothing, so it is not recorded as trained
                 self.collector.mark_dropped(grp.ordinal, "nonfinite_update")
@@ -1070,24 +950,6 @@ class Trainer:
         batch sharding; on several processes, this process's rows of the global batch."""
         sharding = self.plan.batch_sharding
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
-
-    def _groups_trained(self, groups: list[Group], applied: np.ndarray) -> list[bool]:
-        """Per group of this process: whether at least one update over its rows was applied. Row (sequence) r of
-        this process (group_rows' order: a group's group_sequences, group after group) is a segment of the step's
-        trajectory P * rows_per_process + t (t: learner.trajectory_numbers; r itself for an ordinary group), in
-        mini-batch (P * rows_per_process + t) % mini_batches in either layout (packed rows keep it:
-        learner.pack_layout); update u trains mini-batch u % mini_batches."""
-        mini_batches, g = self.config.optim.mini_batches, self.config.grpo.group_size
-        applied_minis = {u % mini_batches for u in np.flatnonzero(applied)}
-        first_row = self.process_index * self.local_prompts * g
-        samples = [group_sequences(group, g)[1] for group in groups]
-        numbers = trajectory_numbers(samples, sum(len(s) for s in samples))
-        trained, start = [], 0
-        for group_samples in samples:
-            trained.append(any(mini_batch_of_row(first_row + int(t), mini_batches) in applied_minis
-                               for t in numbers[start:start + len(group_samples)]))
-            start += len(group_samples)
-        return trained
 
     def _account_leftovers(self) -> None:
         """Prompts handed out but not trained when the run stops are dropped with reason run_ended, so the
