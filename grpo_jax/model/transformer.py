@@ -389,7 +389,7 @@ class MLP(nnx.Module):
         dtype = x.dtype
         # Rows flattened to [B*T, E], so each weight gradient contracts one dimension: with [B, T, E]
         # operands (two contracting dims) XLA CPU transposed the [B, T, M] activation gradient into a
-        # slow fused copy before every weight-gradient matmul (tools/bench_train.py: ~10% of a step).
+        # slow fused copy before every weight-gradient matmul (its share of a step: docs/benchmarks.md).
         rows = x.reshape(-1, x.shape[-1])
         gate = rows @ self.gate[...].astype(dtype)
         up = rows @ self.up[...].astype(dtype)

@@ -15,8 +15,8 @@ Design:
 - Tokens are drawn by algorithm.sampling.sample_logits (temperature, top-k, top-p; exact inverse-CDF
   sampling), the distribution the learner's log-probs use too.
 - The LM head, the largest cost of a decode step, is computed as head [V, E] @ hidden^T into
-  vocab-major logits [V, B], which sampling consumes as they are: XLA:CPU runs that dot ~12% faster
-  than hidden @ head^T. The [V, E] head is kept beside the state (a transposed copy of an untied
+  vocab-major logits [V, B], which sampling consumes as they are: XLA:CPU runs that dot faster
+  than hidden @ head^T (docs/benchmarks.md). The [V, E] head is kept beside the state (a transposed copy of an untied
   lm_head, made once per weight update).
 - The decode loop runs in `decode_phases` loops over a growing KV cache, so attention reads only the
   filled part of the cache plus at most one phase (see _generate_impl).
@@ -82,12 +82,12 @@ class SamplerConfig:
     min_batch_bucket: int = 1  # batch sizes are padded to powers of two from here
     # Concurrent executions of the decode program, each on a share of the rows. The decode step is a
     # chain of small ops that XLA's CPU runtime mostly runs one at a time on one core; it overlaps
-    # separate executions launched from separate threads. 2 gives +15-20% tokens/s on 2 cores;
+    # separate executions launched from separate threads. 2 gives more tokens/s on 2 cores (docs/benchmarks.md);
     # use 1 on an accelerator.
     decode_streams: int = 2
     # The decode loop is split into up to this many loops (none shorter than MIN_PHASE_STEPS) over a
     # growing KV cache, so that early steps attend over a shorter one (see Sampler._generate_impl):
-    # 4 gives ~+3% tokens/s over 1 at 128 new tokens. Each phase is one more decode step to compile.
+    # 4 gives more tokens/s than 1 (docs/benchmarks.md). Each phase is one more decode step to compile.
     decode_phases: int = 4
     # Which generator the trainer's actor uses: "continuous" (grpo_jax.rollout.engine: slots refilled between decode
     # chunks, one prefill per prompt shared by its samples, groups streamed out as they finish, in-flight
