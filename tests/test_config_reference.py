@@ -1,0 +1,75 @@
+"""The key reference: every config key's help lives in its dataclass (config_io.config_key), `grpo-jax config
+--describe [SECTION]` prints it with the key's type, default and allowed values, and docs/configs.md is generated
+from the same description (tools/gen_config_docs.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+import pytest
+
+from grpo_jax.config_io import config_key, describe_config, describe_markdown, describe_text
+
+
+def test_config_key_refuses_a_key_without_help():
+    with pytest.raises(TypeError, match="help"):
+        config_key(1)
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    depth: int = config_key(3, "How deep.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    count: int = config_key(2, "How many.")
+    scale: float | None = config_key(None, "A scale, or none.")
+    mode: Literal["fast", "slow"] = config_key("fast", "How to run.")
+    flag: bool = config_key(False, "A switch.")
+    colour: Colour = config_key(Colour.RED, "A colour.")
+    name: str = config_key("", "A name.")
+    items: tuple[str, ...] = config_key(("a", "b"), "Some items.")
+    table: dict = config_key(help="A mapping.", default_factory=dict)
+    inner: Inner = config_key(help="The inner section.", default_factory=Inner)
+    extra: Inner | None = config_key(None, "An optional section.")
+
+
+def test_describe_config_gives_each_key_its_dotted_name_type_default_allowed_values_and_help():
+    top, inner, extra = describe_config(Outer)
+    keys = {key.name: key for key in top.keys}
+    assert list(keys) == ["count", "scale", "mode", "flag", "colour", "name", "items", "table"]
+    assert (keys["count"].type, keys["count"].default, keys["count"].allowed, keys["count"].help) == \
+        ("int", "2", (), "How many.")
+    assert (keys["scale"].type, keys["scale"].default, keys["scale"].allowed) == ("float | None", "null", ())
+    assert (keys["mode"].type, keys["mode"].default, keys["mode"].allowed) == \
+        ("'fast' | 'slow'", "'fast'", ("'fast'", "'slow'"))
+    assert (keys["flag"].type, keys["flag"].default, keys["flag"].allowed) == ("bool", "false", ("true", "false"))
+    assert (keys["colour"].type, keys["colour"].default, keys["colour"].allowed) == \
+        ("Colour", "'red'", ("'red'", "'blue'"))
+    assert (keys["name"].default, keys["name"].allowed) == ("''", ())  # a str's values are not the type's to say
+    assert (keys["items"].type, keys["items"].default) == ("tuple[str, ...]", "['a', 'b']")
+    assert (keys["table"].type, keys["table"].default) == ("dict", "{}")
+    assert (inner.name, inner.help, inner.optional, [k.name for k in inner.keys]) == \
+        ("inner", "The inner section.", False, ["inner.depth"])
+    assert (extra.name, extra.optional, [k.name for k in extra.keys]) == ("extra", True, ["extra.depth"])
+
+
+def test_describe_text_prints_each_key_with_its_type_default_help_and_allowed_values():
+    text = describe_text(describe_config(Outer))
+    assert "[top level]" in text and "[inner]" in text and "[extra (optional: absent unless given)]" in text
+    assert "  mode: 'fast' | 'slow' = 'fast'\n      How to run.\n      allowed: 'fast', 'slow'\n" in text
+    assert "  inner.depth: int = 3\n      How deep.\n" in text
+
+
+def test_describe_markdown_keeps_a_type_with_a_bar_in_its_cell():
+    markdown = describe_markdown(describe_config(Outer))
+    assert "| `scale` | float \\| None | null | A scale, or none. |" in markdown
+    assert "## inner\n\nThe inner section.\n" in markdown
