@@ -6,11 +6,33 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import typing
 from typing import Literal
 
 import pytest
 
 from grpo_jax.config_io import config_key, describe_config, describe_markdown, describe_text
+from grpo_jax.run.config import Config
+
+
+def sections_of(cls, name: str = "") -> list[tuple[str, type]]:
+    """(dotted name, dataclass) of `cls` and of every section reachable from it, by the annotations alone."""
+    found = [(name, cls)]
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        for option in (hints[field.name], *typing.get_args(hints[field.name])):
+            if dataclasses.is_dataclass(option):
+                found += sections_of(option, f"{name}.{field.name}" if name else field.name)
+    return found
+
+
+def test_every_field_of_every_section_has_help():
+    sections = sections_of(Config)
+    assert len(sections) >= 16  # the top level, model, sampler, ..., trainer.wandb, mesh.actor, mesh.learner
+    missing = [f"{name}.{field.name}".lstrip(".") + f" ({cls.__module__}.{cls.__qualname__})"
+               for name, cls in sections for field in dataclasses.fields(cls) if not field.metadata.get("help")]
+    assert not missing, ("config fields without help (give each one config_key(default, 'help'), then run "
+                         "python tools/gen_config_docs.py): " + ", ".join(missing))
 
 
 def test_config_key_refuses_a_key_without_help():
