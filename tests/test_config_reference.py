@@ -11,6 +11,7 @@ from typing import Literal
 
 import pytest
 
+from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import config_key, describe_config, describe_markdown, describe_text
 from grpo_jax.run.config import Config
 
@@ -95,3 +96,36 @@ def test_describe_markdown_keeps_a_type_with_a_bar_in_its_cell():
     markdown = describe_markdown(describe_config(Outer))
     assert "| `scale` | float \\| None | null | A scale, or none. |" in markdown
     assert "## inner\n\nThe inner section.\n" in markdown
+
+
+def test_config_describe_prints_one_section(capsys):
+    assert main(["config", "--describe", "sampler"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("[sampler]\n")
+    assert "  sampler.temperature: float = 1.0\n      Sampling temperature; 0: greedy.\n" in out
+    assert "sampler.inflight_updates: bool = true" in out and "allowed: true, false" in out
+    assert "data." not in out and "[data]" not in out
+
+
+def test_config_describe_of_a_section_includes_the_sections_in_it(capsys):
+    assert main(["config", "--describe", "mesh"]) == 0
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert headers == ["[mesh]", "[mesh.actor]", "[mesh.learner]"]
+
+
+def test_config_describe_without_a_section_prints_every_key(capsys):
+    assert main(["config", "--describe"]) == 0
+    out = capsys.readouterr().out
+    for section in describe_config(Config):
+        for key in section.keys:
+            assert f"  {key.name}: " in out
+
+
+def test_config_describe_of_an_unknown_section_is_one_line_naming_it_and_the_sections(capsys):
+    assert main(["config", "--describe", "samplr"]) == EXIT_USER_ERROR == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("grpo-jax: error: --describe samplr: no such config section")
+    assert "sampler" in lines[0] and "trainer.wandb" in lines[0]
