@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
+import pathlib
 import typing
 from typing import Literal
 
@@ -14,6 +16,8 @@ import pytest
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import config_key, describe_config, describe_markdown, describe_text
 from grpo_jax.run.config import Config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def sections_of(cls, name: str = "") -> list[tuple[str, type]]:
@@ -129,3 +133,19 @@ def test_config_describe_of_an_unknown_section_is_one_line_naming_it_and_the_sec
     assert len(lines) == 1, lines
     assert lines[0].startswith("grpo-jax: error: --describe samplr: no such config section")
     assert "sampler" in lines[0] and "trainer.wandb" in lines[0]
+
+
+def _gen_config_docs():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "tools" / "gen_config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_configs_page_agrees_with_the_dataclasses():
+    tool = _gen_config_docs()
+    page = (ROOT / "docs" / "configs.md").read_text(encoding="utf-8")
+    assert tool.MARKER in page, "docs/configs.md lost its generated-reference marker line"
+    assert "`sampler.temperature`" in page
+    assert page == tool.page_text(page), ("docs/configs.md disagrees with the config dataclasses: run "
+                                          "python tools/gen_config_docs.py and commit the page")
