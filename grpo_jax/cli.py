@@ -310,6 +310,23 @@ def compile_fit(args) -> None:
     print(format_fit(search.attempts, args.topology), flush=True)
 
 
+def cmd_config(args) -> None:
+    """grpo-jax config --describe [SECTION]: every config key (or one section's) with its type, default, allowed
+    values and help, as config_io.describe_text writes them."""
+    from grpo_jax.config_io import describe_config, describe_text
+    from grpo_jax.run.config import Config
+
+    sections = describe_config(Config)
+    if args.describe:
+        chosen = [s for s in sections if s.name == args.describe or s.name.startswith(args.describe + ".")]
+        if not chosen:
+            names = ", ".join(s.name for s in sections if s.name)
+            raise UsageError(f"--describe {args.describe}: no such config section; the sections are {names} "
+                             "(or no SECTION for every key)")
+        sections = chosen
+    print(describe_text(sections), end="")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-jax", description="Asynchronous GRPO in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -377,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--fit-limit", type=int, default=None, metavar="N",
                       help="with --fit: compile at most N layouts (default 12), those estimated to fit first")
     comp.set_defaults(func=cmd_compile)
+
+    conf = sub.add_parser("config", help="describe the config keys: type, default, allowed values and help")
+    conf.add_argument("--describe", nargs="?", const="", required=True, metavar="SECTION",
+                      help="print every key, or one section's (e.g. sampler, trainer.wandb)")
+    conf.set_defaults(func=cmd_config)
     return parser
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax.config_io import config_key
+
 BASELINES = ("mean", "leave_one_out")
 
 
@@ -124,12 +126,14 @@ def advantage_stats(rewards, advantages, zero_var, valid=None) -> dict:
 class GRPOConfig:
     """The GRPO section of the config: groups, steps, staleness and how advantages are computed."""
 
-    group_size: int = 8  # completions per prompt (G)
-    prompts_per_step: int = 8  # groups per learner step (also the handout size)
-    max_staleness: int = 1  # learner steps a group may lag the weights that train it; 0 = synchronous
-    baseline: str = "mean"  # "mean" (GRPO) or "leave_one_out"
-    scale_by_std: bool = True  # False: Dr. GRPO
-    filter_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    group_size: int = config_key(8, "Completions per prompt (G).")
+    prompts_per_step: int = config_key(8, "Groups per learner step (also the handout size).")
+    max_staleness: int = config_key(1, "Learner steps a group may lag the weights that train it; 0 = synchronous.")
+    baseline: str = config_key("mean", "What a completion's reward is compared to: mean (GRPO, the group's mean) or "
+                                       "leave_one_out (the mean of the others).")
+    scale_by_std: bool = config_key(True, "Divide advantages by the group's reward std; false: Dr. GRPO.")
+    filter_zero_variance: bool = config_key(False, "DAPO dynamic sampling: drop groups whose rewards are all "
+                                                   "equal.")
 
     def validate(self) -> list[str]:
         problems = []

@@ -43,6 +43,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.config_io import config_key
+
 LOSS_TYPES = ("grpo", "gspo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -85,20 +87,36 @@ class LossConfig:
       turns with junk; with a floor it pushes only the positions under it, never one above it.
     """
 
-    loss_type: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    aggregation: str = "token_mean"
-    max_completion_len: int = 0  # required for "seq_mean_token_sum_norm"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    off_policy: str = "tis"
-    tis_cap: float = 2.0
-    entropy_coef: float = 0.0
-    entropy_floor: float | None = None
+    loss_type: str = config_key("grpo", "grpo clips the per-token ratio with clip_low/clip_high; gspo clips the "
+                                        "sequence ratio exp(mean_t log-ratio) with the much tighter "
+                                        "gspo_clip_low/gspo_clip_high.")
+    clip_low: float = config_key(0.2, "GRPO clip range [1 - clip_low, 1 + clip_high].")
+    clip_high: float = config_key(0.2, "GRPO clip range [1 - clip_low, 1 + clip_high]; DAPO clip-higher: 0.28.")
+    dual_clip: float | None = config_key(None, "c > 1 or None; for negative advantages the per-token loss is capped "
+                                               "at c * |A|.")
+    gspo_clip_low: float = config_key(3e-4, "GSPO's clip range [1 - gspo_clip_low, 1 + gspo_clip_high] of the "
+                                            "sequence ratio.")
+    gspo_clip_high: float = config_key(4e-4, "GSPO's clip range [1 - gspo_clip_low, 1 + gspo_clip_high] of the "
+                                             "sequence ratio.")
+    aggregation: str = config_key("token_mean", "How per-token losses become a scalar (padding never counts): "
+                                                "token_mean (sum over all tokens / number of tokens, DAPO), "
+                                                "seq_mean_token_mean (mean over sequences of each sequence's token "
+                                                "mean, GRPO, GSPO) or seq_mean_token_sum_norm (mean over sequences "
+                                                "of token sum / max_completion_len, Dr. GRPO).")
+    max_completion_len: int = config_key(0, "The constant normaliser of seq_mean_token_sum_norm (required for it).")
+    kl_coef: float = config_key(0.0, "Adds kl_coef * KL(pi || ref) per token, aggregated the same way; 0: no "
+                                     "reference model.")
+    kl_estimator: str = config_key("k3", "k1 = logp - logref (zero expected gradient as a loss term: noise only, "
+                                         "warned), k2 = (logp - logref)^2 / 2, k3 = exp(logref - logp) - (logref - "
+                                         "logp) - 1.")
+    off_policy: str = config_key("tis", "The correction for behaviour != proximal policy: tis weights each token's "
+                                        "policy loss by min(w, tis_cap); decoupled by w, zeroing tokens whose w "
+                                        "exceeds tis_cap; none ignores the behaviour log-probs.")
+    tis_cap: float = config_key(2.0, "The cap of the off-policy weight w (off_policy tis and decoupled).")
+    entropy_coef: float = config_key(0.0, "Subtracts entropy_coef * H(pi) per token, aggregated the same way (an "
+                                          "entropy bonus, as verl's entropy_coeff); 0 adds nothing and costs nothing.")
+    entropy_floor: float | None = config_key(None, "None or a number of nats: the bonus acts only on sampled tokens "
+                                                   "whose entropy is below it (the bonus is on min(entropy, floor)).")
 
     @property
     def needs_reference(self) -> bool:

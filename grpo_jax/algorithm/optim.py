@@ -13,43 +13,50 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_jax.config_io import config_key
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    decay_steps: int = 0  # cosine decay over this many steps after warmup; 0 keeps lr constant
-    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    # Rows per micro-batch: one sequence each, or several when packed (a packed row is as long as a padded
-    # one, so a micro-batch's activations are the same size). 0 = the whole mini-batch at once.
-    micro_batch_size: int = 0
-    mini_batches: int = 1  # optimizer updates per pass over the rollout batch, each on an equal share of rows
-    epochs: int = 1  # passes over the rollout batch per learner step (GRPO's mu)
-    max_nonfinite_in_row: int = 3  # learner steps in a row with a skipped (non-finite) update before the run stops
-    # Completion positions whose logits exist at once (chunked_logprobs): the compiled step holds a few float32
-    # buffers of rows x this x vocab (the logits, their softmax and its gradient; more with top-p or top-k and the
-    # entropy: docs/benchmarks.md), none of rows x max_new_tokens x vocab. 0: all positions at once.
-    logprob_chunk: int = 128
-    # Micro-batches counted in tokens: each holds micro_batch_tokens // (the learner's row length, prompt bucket
-    # + completion bucket) rows. 0: micro_batch_size rows. Set at most one of the two.
-    micro_batch_tokens: int = 0
-    # Several sequences per learner row (pack_sequences: first-fit decreasing into rows of the padded row's
-    # length; attention within each sequence only, positions restarting): the padded layout's loss, gradients
-    # and metrics on fewer rows. false: one sequence per row (pack_batch).
-    packing: bool = True
-    # The packed row count is rounded up to one of at most this many sizes (packed_row_sizes): at most this many
-    # learner programs compile over a run.
-    packing_buckets: int = 8
-    # For grpo-jax compile's projection only (time and MFU at the expected fill): the mean prompt and completion
-    # lengths (tokens) a step is expected to have. 0: the buckets (every row full), so nothing is promised that
-    # was not measured; the learner's metrics report the real ones (length/mean, learner/padding_fraction*).
-    expected_prompt_len: int = 0
-    expected_completion_len: int = 0
+    lr: float = config_key(1e-5, "The peak learning rate (AdamW).")
+    warmup_steps: int = config_key(0, "Learner steps of linear warmup up to lr (from lr / (warmup_steps + 1)).")
+    decay_steps: int = config_key(0, "Cosine decay over this many steps after warmup; 0 keeps lr constant.")
+    min_lr_ratio: float = config_key(0.1, "The cosine ends at lr * min_lr_ratio.")
+    weight_decay: float = config_key(0.0, "AdamW's decoupled weight decay.")
+    b1: float = config_key(0.9, "AdamW's first-moment decay.")
+    b2: float = config_key(0.999, "AdamW's second-moment decay.")
+    eps: float = config_key(1e-8, "AdamW's epsilon.")
+    grad_clip: float = config_key(1.0, "Global-norm clipping; 0 disables.")
+    # A packed row is as long as a padded one, so a micro-batch's activations are the same size.
+    micro_batch_size: int = config_key(0, "Rows per micro-batch: one sequence each, or several when packed. 0 = the "
+                                          "whole mini-batch at once.")
+    mini_batches: int = config_key(1, "Optimizer updates per pass over the rollout batch, each on an equal share of "
+                                      "rows.")
+    epochs: int = config_key(1, "Passes over the rollout batch per learner step (GRPO's mu).")
+    max_nonfinite_in_row: int = config_key(3, "Learner steps in a row with a skipped (non-finite) update before the "
+                                              "run stops.")
+    logprob_chunk: int = config_key(128, "Completion positions whose logits exist at once (chunked_logprobs): the "
+                                         "compiled step holds a few float32 buffers of rows x this x vocab (the "
+                                         "logits, their softmax and its gradient; more with top-p or top-k and the "
+                                         "entropy: docs/benchmarks.md), none of rows x max_new_tokens x vocab. 0: "
+                                         "all positions at once.")
+    micro_batch_tokens: int = config_key(0, "Micro-batches counted in tokens: each holds micro_batch_tokens // (the "
+                                            "learner's row length, prompt bucket + completion bucket) rows. 0: "
+                                            "micro_batch_size rows. Set at most one of the two.")
+    packing: bool = config_key(True, "Several sequences per learner row (pack_sequences: first-fit decreasing into "
+                                     "rows of the padded row's length; attention within each sequence only, "
+                                     "positions restarting): the padded layout's loss, gradients and metrics on "
+                                     "fewer rows. false: one sequence per row (pack_batch).")
+    packing_buckets: int = config_key(8, "The packed row count is rounded up to one of at most this many sizes "
+                                         "(packed_row_sizes): at most this many learner programs compile over a run.")
+    # 0 promises nothing that was not measured; the learner's metrics report the real lengths (length/mean,
+    # learner/padding_fraction*).
+    expected_prompt_len: int = config_key(0, "For grpo-jax compile's projection only (time and MFU at the expected "
+                                             "fill): the mean prompt length (tokens) a step is expected to have. 0: "
+                                             "the bucket (every row full).")
+    expected_completion_len: int = config_key(0, "For grpo-jax compile's projection only: the mean completion length "
+                                                 "(tokens) a step is expected to have. 0: the bucket (every row "
+                                                 "full).")
 
     @property
     def updates_per_step(self) -> int:

@@ -33,8 +33,9 @@ def nucleus_cut(x: jnp.ndarray, e: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarr
     """[B] cut such that x >= cut is the smallest set of highest-x entries whose mass e reaches
     top_p of the total (x, e: [V, B], vocab-major): "sort descending, keep while the mass before the
     entry is < top_p", with ties at the cut all kept. Found by bisecting the cut over the float order
-    in 32 passes, because XLA's CPU comparator sort of a 32k vocab costs ~50x a model step. The passes
-    run on [B, V] copies: XLA:CPU fuses their masked sums along the minor axis, not the major one (1.5x).
+    in 32 passes, because XLA's CPU comparator sort of a 32k vocab costs many model steps. The passes run on
+    [B, V] copies: XLA:CPU fuses their masked sums along the minor axis, not the major one (figures:
+    docs/benchmarks.md).
     """
     k, e = _sortable(x).T, e.T
     target = top_p * e.sum(-1)

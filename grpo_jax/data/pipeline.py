@@ -63,6 +63,7 @@ import grain
 import numpy as np
 
 from grpo_jax import json_text
+from grpo_jax.config_io import config_key
 from grpo_jax.data.tasks import TASKS, make_synthetic_dataset
 from grpo_jax.errors import DataError
 
@@ -99,36 +100,36 @@ class BadRow(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: Literal["jsonl", "parquet", "tfds", "synthetic"] = "jsonl"
-    # jsonl/parquet: a file, or a directory holding {split}.jsonl / {split}.parquet.
-    path: str = ""
-    split: str = "train"
-    # tfds: a prepared dataset (see tools/prepare_tfds.py); data_dir "" = TFDS's default directory.
-    tfds_name: str = ""
-    tfds_data_dir: str = ""
-    prompt_field: str = "question"
-    answer_field: str = "answer"  # "": none (the rows of an environment, or rewards that need no answer)
-    prompt_format: Literal["plain", "chat"] = "plain"
-    # A Python format string over the record's fields, e.g. "Question: {question}\nAnswer:". Empty: the
-    # prompt_field as is. With chat it builds the user message.
-    template: str = ""
-    system_prompt: str = ""  # chat only
-    # chat only: more variables for the chat template, as transformers' apply_chat_template(**kwargs) passes
-    # them, e.g. {enable_thinking: false} for Qwen3's template (no thinking block; true or absent: thinking).
-    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
-    synthetic_task: str = "copy"
-    synthetic_size: int = 1000
-    synthetic_min_digits: int = 1
-    synthetic_max_digits: int = 4
-    seed: int = 0  # of the synthetic rows
-    shuffle: bool = True
-    shuffle_seed: int = 0
-    num_epochs: int = 0  # 0 = repeat forever
-    max_prompt_len: int = 1024  # tokens; longer prompts become bad_row prompt_too_long
-    # Bytes of one row (a JSONL line, a Parquet or TFDS record); larger rows become bad_row row_too_large unread.
-    # 0: max(1 MiB, 256 * max_prompt_len).
-    max_row_bytes: int = 0
-    worker_count: int = 0  # Grain worker processes; 0 = read in threads of the calling process
+    source: Literal["jsonl", "parquet", "tfds", "synthetic"] = config_key("jsonl", "Where the prompts come from.")
+    path: str = config_key("", "jsonl/parquet: a file, or a directory holding {split}.jsonl / {split}.parquet.")
+    split: str = config_key("train", "The split read: jsonl/parquet {split} files in a directory, a TFDS split.")
+    tfds_name: str = config_key("", "tfds: a prepared dataset (see tools/prepare_tfds.py).")
+    tfds_data_dir: str = config_key("", "tfds: the directory holding it; '' = TFDS's default directory.")
+    prompt_field: str = config_key("question", "The record field holding the prompt.")
+    answer_field: str = config_key("answer", "The record field holding the answer rewards compare to; '': none "
+                                             "(the rows of an environment, or rewards that need no answer).")
+    prompt_format: Literal["plain", "chat"] = config_key("plain", "plain: the prompt text as is; chat: a user "
+                                                                  "message in the tokenizer's chat template.")
+    template: str = config_key("", "A Python format string over the record's fields, e.g. "
+                                   "'Question: {question}\\nAnswer:'. Empty: the prompt_field as is. With chat it "
+                                   "builds the user message.")
+    system_prompt: str = config_key("", "chat only: the system message.")
+    chat_template_kwargs: dict = config_key(help="chat only: more variables for the chat template, as transformers' "
+                                                 "apply_chat_template(**kwargs) passes them, e.g. {enable_thinking: "
+                                                 "false} for Qwen3's template (no thinking block; true or absent: "
+                                                 "thinking).", default_factory=dict)
+    synthetic_task: str = config_key("copy", f"synthetic: the task ({', '.join(TASKS)}).")
+    synthetic_size: int = config_key(1000, "synthetic: rows generated.")
+    synthetic_min_digits: int = config_key(1, "synthetic: the fewest digits of an operand.")
+    synthetic_max_digits: int = config_key(4, "synthetic: the most digits of an operand.")
+    seed: int = config_key(0, "Seed of the synthetic rows.")
+    shuffle: bool = config_key(True, "Shuffle the rows (each epoch in its own order).")
+    shuffle_seed: int = config_key(0, "Seed of the shuffle (each epoch shuffles with shuffle_seed + epoch).")
+    num_epochs: int = config_key(0, "Passes over the data; 0 = repeat forever.")
+    max_prompt_len: int = config_key(1024, "Tokens; longer prompts become bad_row prompt_too_long.")
+    max_row_bytes: int = config_key(0, "Bytes of one row (a JSONL line, a Parquet or TFDS record); larger rows "
+                                       "become bad_row row_too_large unread. 0: max(1 MiB, 256 * max_prompt_len).")
+    worker_count: int = config_key(0, "Grain worker processes; 0 = read in threads of the calling process.")
 
     def validate(self) -> list[str]:
         problems = []

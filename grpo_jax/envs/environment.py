@@ -47,6 +47,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from grpo_jax.algorithm.rewards import RewardNameError, import_factory
+from grpo_jax.config_io import config_key
 from grpo_jax.envs.render import ENVIRONMENT_ROLES, RENDERERS, AssistantTurn, check_messages
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 from grpo_jax.errors import ConfigError
@@ -162,26 +163,26 @@ def environment_factory(name: str) -> Callable[..., Environment]:
 class EnvConfig:
     """The environment a run's episodes use, and the limits on an episode (module docstring)."""
 
-    name: str = ""  # the factory: a short name in ENVIRONMENTS ("gsm8k_python"), or "package.module:factory"
-    kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the factory
-    max_turns: int = 8  # assistant turns per episode; an episode still going then is truncated
-    # the most tokens one sequence may hold (prompt, sampled and environment tokens); an episode that would
-    # pass it is truncated
-    max_total_tokens: int = 4096
-    # environment calls running at once, and worker threads for their plain tools (per process); more threads stuck
-    # in calls past step_timeout_s than this stop the run
-    concurrency: int = 32
-    step_timeout_s: float = 30.0  # the longest one reset, step, reward or close may take
-    # the chat format that turns messages into ids (RENDERERS: qwen2, qwen3, llama3, gemma3, compact); "": the
-    # model's own, from model.architecture (renderer_for)
-    renderer: str = ""
-    renderer_options: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false} for qwen3
-    # the G episodes of a prompt reset with one seed (the same task instance: advantages compare answers to the
-    # same question); false: each episode its own seed (independent instances of the prompt's task)
-    shared_seed: bool = True
-    # "package.module:function": each group's per-trajectory advantages from its episodes' rewards and per-step
-    # rewards (algorithm.advantages.custom_advantages); "": GRPO's group-relative advantages of reward()
-    advantage: str = ""
+    name: str = config_key("", "The factory: a short name in ENVIRONMENTS ('gsm8k_python'), or "
+                               "'package.module:factory'.")
+    kwargs: dict = config_key(help="Passed to the factory.", default_factory=dict)
+    max_turns: int = config_key(8, "Assistant turns per episode; an episode still going then is truncated.")
+    max_total_tokens: int = config_key(4096, "The most tokens one sequence may hold (prompt, sampled and "
+                                             "environment tokens); an episode that would pass it is truncated.")
+    concurrency: int = config_key(32, "Environment calls running at once, and worker threads for their plain tools "
+                                      "(per process); more threads stuck in calls past step_timeout_s than this stop "
+                                      "the run.")
+    step_timeout_s: float = config_key(30.0, "The longest one reset, step, reward or close may take.")
+    renderer: str = config_key("", "The chat format that turns messages into ids (RENDERERS: qwen2, qwen3, llama3, "
+                                   "gemma3, compact); '': the model's own, from model.architecture (renderer_for).")
+    renderer_options: dict = config_key(help="Options of the renderer, e.g. {enable_thinking: false} for qwen3.",
+                                        default_factory=dict)
+    shared_seed: bool = config_key(True, "The G episodes of a prompt reset with one seed (the same task instance: "
+                                         "advantages compare answers to the same question); false: each episode "
+                                         "its own seed (independent instances of the prompt's task).")
+    advantage: str = config_key("", "'package.module:function': each group's per-trajectory advantages from its "
+                                    "episodes' rewards and per-step rewards (algorithm.advantages.custom_advantages); "
+                                    "'': GRPO's group-relative advantages of reward().")
 
     def validate(self) -> list[str]:
         problems = []

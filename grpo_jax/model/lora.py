@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.config_io import config_key
 from grpo_jax.model.safetensors_io import save_file
 from grpo_jax.model.transformer import FAMILY_FIELDS, ModelConfig, Transformer
 
@@ -54,10 +55,10 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    rank: int = 0  # 0: off (every weight trains); > 0: train rank-r adapters on a frozen base
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on each adapter's input, in the learner's gradient pass only
-    targets: tuple[str, ...] = TARGETS  # projections that get an adapter
+    rank: int = config_key(0, "0: off (every weight trains); > 0: train rank-r adapters on a frozen base.")
+    alpha: float = config_key(16.0, "The update is scaled by alpha / rank.")
+    dropout: float = config_key(0.0, "On each adapter's input, in the learner's gradient pass only.")
+    targets: tuple[str, ...] = config_key(TARGETS, f"Projections that get an adapter, of {', '.join(TARGETS)}.")
 
     def __post_init__(self):
         # A tuple whatever was given: the adapters' graph holds this config, and jit hashes the graph.

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from grpo_jax.config_io import config_key
 from grpo_jax.parallel.sharding import constrain, constrain_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -49,56 +50,62 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # ModelConfig.layer_types
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 512
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 0  # 0: hidden_size // num_heads
-    rope_theta: float = 10000.0
-    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}.
-    rope_scaling: dict | None = None
-    rms_norm_eps: float = 1e-6
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"  # master weights
-    remat: bool = False  # recompute each layer in the backward pass
-    # The Hugging Face class written on export: "qwen2", "llama", "qwen3" (which adds qk_norm), "qwen3_moe" (experts
-    # besides) or "gemma3" (see the module docstring).
-    architecture: str = "qwen2"
-    # Per layer, "full_attention" (every earlier token) or "sliding_attention" (a local layer: the last
-    # sliding_window tokens, itself included); empty: every layer full.
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int = 0
-    rope_local_theta: float = 0.0  # the local layers' RoPE base (0: rope_theta); rope_scaling is not applied there
-    query_pre_attn_scalar: int = 0  # attention scores are scaled by its -1/2 power (0: head_dim)
+    vocab_size: int = config_key(512, "Tokens in the vocabulary: rows of the embedding and of the LM head.")
+    hidden_size: int = config_key(64, "Width of the residual stream (embedding size).")
+    intermediate_size: int = config_key(192, "Width of the dense (SwiGLU) MLP.")
+    num_layers: int = config_key(2, "Decoder layers.")
+    num_heads: int = config_key(4, "Query heads per layer.")
+    num_kv_heads: int = config_key(2, "Key/value heads per layer (grouped-query attention); must divide num_heads.")
+    head_dim: int = config_key(0, "Width of one attention head; 0: hidden_size // num_heads.")
+    rope_theta: float = config_key(10000.0, "The RoPE base.")
+    rope_scaling: dict | None = config_key(None, "None, or {rope_type: llama3, factor, low_freq_factor, "
+                                                 "high_freq_factor, original_max_position_embeddings} or "
+                                                 "{rope_type: linear, factor}.")
+    rms_norm_eps: float = config_key(1e-6, "Epsilon of the RMS norms.")
+    qkv_bias: bool = config_key(False, "A bias on the query, key and value projections (Qwen2).")
+    tie_embeddings: bool = config_key(False, "The LM head is the embedding matrix (no separate lm_head weight).")
+    max_position_embeddings: int = config_key(4096, "The longest sequence (tokens) the model is meant for, as "
+                                                    "config.json states it.")
+    dtype: str = config_key("float32", "Compute dtype: float32 or bfloat16.")
+    param_dtype: str = config_key("float32", "Dtype of the master weights: float32 or bfloat16.")
+    remat: bool = config_key(False, "Recompute each layer in the backward pass (less memory, more compute).")
+    architecture: str = config_key("qwen2", "The Hugging Face class written on export: qwen2, llama, qwen3 (which "
+                                            "adds qk_norm), qwen3_moe (experts besides) or gemma3 (see the "
+                                            "model.transformer module docstring).")
+    layer_types: tuple[str, ...] = config_key((), "Per layer, full_attention (every earlier token) or "
+                                                  "sliding_attention (a local layer: the last sliding_window tokens, "
+                                                  "itself included); empty: every layer full.")
+    sliding_window: int = config_key(0, "Tokens a sliding_attention layer attends over, itself included.")
+    rope_local_theta: float = config_key(0.0, "The local layers' RoPE base (0: rope_theta); rope_scaling is not "
+                                              "applied there.")
+    query_pre_attn_scalar: int = config_key(0, "Attention scores are scaled by its -1/2 power (0: head_dim).")
     # Mixture of experts (Qwen3-MoE): in each sparse layer a router picks num_experts_per_tok of num_experts SwiGLU
     # experts (moe_intermediate_size wide) per token, weighted by their softmax probabilities (renormalised over the
     # chosen ones with norm_topk_prob). Sparse layers: every decoder_sparse_step-th (1-based) not in mlp_only_layers;
     # the others keep the dense MLP (intermediate_size).
-    num_experts: int = 0  # 0: dense
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    # "ragged": tokens sorted by expert, each expert's rows one group of jax.lax.ragged_dot (no capacity, no token
-    # dropped, FLOPs of the chosen experts only); "dense": every expert on every token, weighted by a mostly-zero
-    # matrix (the reference the tests hold the ragged path to).
-    moe_dispatch: str = "ragged"
-    # Routing replay: the actor records the experts each token went to and the learner routes it there (its own
-    # router's probabilities at those experts still weight them, so the router trains); without it the learner's
-    # router picks again, and a near tie decided otherwise by the two numerically different passes trains a token
+    num_experts: int = config_key(0, "Mixture of experts (Qwen3-MoE): SwiGLU experts per sparse layer; 0: dense.")
+    num_experts_per_tok: int = config_key(0, "Experts the router picks per token, weighted by their softmax "
+                                             "probabilities.")
+    moe_intermediate_size: int = config_key(0, "Width of one expert's MLP.")
+    norm_topk_prob: bool = config_key(True, "Renormalise the chosen experts' probabilities over the chosen ones.")
+    decoder_sparse_step: int = config_key(1, "Sparse layers: every decoder_sparse_step-th layer (1-based) not in "
+                                             "mlp_only_layers; the others keep the dense MLP (intermediate_size).")
+    mlp_only_layers: tuple[int, ...] = config_key((), "Layers (0-based) that keep the dense MLP.")
+    moe_dispatch: str = config_key("ragged", "ragged: tokens sorted by expert, each expert's rows one group of "
+                                             "jax.lax.ragged_dot (no capacity, no token dropped, FLOPs of the chosen "
+                                             "experts only); dense: every expert on every token, weighted by a "
+                                             "mostly-zero matrix (the reference the tests hold the ragged path to).")
+    # Without routing replay a near tie decided otherwise by the two numerically different passes trains a token
     # through experts that did not sample it.
-    routing_replay: bool = True
-    # Expert parallelism in the learner: the experts split over its fsdp axis, each device computing its own experts
-    # on the tokens routed to them (tokens gathered, outputs reduce-scattered: see _expert_parallel); off: every
-    # device gathers every expert's weights (FSDP) and computes its own tokens.
-    expert_parallel: bool = False
+    routing_replay: bool = config_key(True, "Routing replay: the actor records the experts each token went to and "
+                                            "the learner routes it there (its own router's probabilities at those "
+                                            "experts still weight them, so the router trains); false: the learner's "
+                                            "router picks again.")
+    expert_parallel: bool = config_key(False, "Expert parallelism in the learner: the experts split over its fsdp "
+                                              "axis, each device computing its own experts on the tokens routed to "
+                                              "them (tokens gathered, outputs reduce-scattered: see "
+                                              "_expert_parallel); false: every device gathers every expert's weights "
+                                              "(FSDP) and computes its own tokens.")
 
     def __hash__(self):
         # rope_scaling is a dict (as in HF config.json); hash its items so the config, and the NNX
@@ -389,7 +396,7 @@ class MLP(nnx.Module):
         dtype = x.dtype
         # Rows flattened to [B*T, E], so each weight gradient contracts one dimension: with [B, T, E]
         # operands (two contracting dims) XLA CPU transposed the [B, T, M] activation gradient into a
-        # slow fused copy before every weight-gradient matmul (tools/bench_train.py: ~10% of a step).
+        # slow fused copy before every weight-gradient matmul (its share of a step: docs/benchmarks.md).
         rows = x.reshape(-1, x.shape[-1])
         gate = rows @ self.gate[...].astype(dtype)
         up = rows @ self.up[...].astype(dtype)

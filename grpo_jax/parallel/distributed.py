@@ -31,6 +31,8 @@ import zlib
 import jax
 import numpy as np
 
+from grpo_jax.config_io import config_key
+
 logger = logging.getLogger(__name__)
 
 # A HostAgreement gather outlived its timeout (another process is alive but stuck): the process exits with this,
@@ -40,14 +42,16 @@ EXIT_COLLECTIVE_TIMEOUT = 4
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator_address: str = ""  # host:port of process 0; "" = from the environment, or one process
-    num_processes: int = 0  # 0 = from GRPO_JAX_NUM_PROCESSES (explicit start-up only)
-    process_id: int = -1  # -1 = from GRPO_JAX_PROCESS_ID (explicit start-up only)
-    auto: bool = False  # let JAX detect the cluster (TPU pod, SLURM, ...)
-    heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others abort
-    initialization_timeout_s: int = 300
-    shutdown_timeout_s: int = 60  # at exit, how long to wait for the other processes (a dead one never comes)
-    cpu_collectives: str = "gloo"  # CPU backend only
+    coordinator_address: str = config_key("", "host:port of process 0; '' = from the environment, or one process.")
+    num_processes: int = config_key(0, "0 = from GRPO_JAX_NUM_PROCESSES (explicit start-up only).")
+    process_id: int = config_key(-1, "-1 = from GRPO_JAX_PROCESS_ID (explicit start-up only).")
+    auto: bool = config_key(False, "Let JAX detect the cluster (TPU pod, SLURM, ...).")
+    heartbeat_timeout_s: int = config_key(100, "A process silent this long is dead: the others abort.")
+    initialization_timeout_s: int = config_key(300, "How long start-up waits for every process to connect.")
+    shutdown_timeout_s: int = config_key(60, "At exit, how long to wait for the other processes (a dead one never "
+                                             "comes).")
+    cpu_collectives: str = config_key("gloo", "The collectives implementation of the CPU backend (CPU backend "
+                                              "only): gloo or mpi.")
 
     def validate(self) -> list[str]:
         problems = []

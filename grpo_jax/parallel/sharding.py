@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from grpo_jax.config_io import config_key
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 DEFAULT_RULES: dict[str, str | None] = {
@@ -41,9 +43,10 @@ DEFAULT_RULES: dict[str, str | None] = {
 class MeshConfig:
     """Sizes of the mesh axes; -1 on one axis means 'all remaining devices'."""
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    data: int = config_key(1, "Devices on the data axis (batch rows split, weights replicated); -1: all remaining.")
+    fsdp: int = config_key(-1, "Devices on the fsdp axis (batch rows and weights split, weights gathered where "
+                               "used); -1: all remaining.")
+    tensor: int = config_key(1, "Devices on the tensor axis (heads, MLP and vocab split); -1: all remaining.")
 
     def validate(self) -> list[str]:
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
@@ -223,9 +226,10 @@ def rows_split_problem(splits: int, processes: int, rows: int, process: str = "p
 class MeshLayout:
     """How devices split between the actor (sampling) and the learner (updates)."""
 
-    actor_devices: int = 0  # 0: actor and learner share all devices; n: the first n devices sample
-    actor: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    learner: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    actor_devices: int = config_key(0, "0: actor and learner share all devices; n: the first n devices sample.")
+    actor: MeshConfig = config_key(help="The actor's (sampling) mesh over its devices.", default_factory=MeshConfig)
+    learner: MeshConfig = config_key(help="The learner's (updates) mesh over its devices.",
+                                     default_factory=MeshConfig)
 
     def validate(self) -> list[str]:
         return [] if self.actor_devices >= 0 else [f"actor_devices={self.actor_devices}: must be >= 0"]

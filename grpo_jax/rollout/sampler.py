@@ -15,8 +15,8 @@ Design:
 - Tokens are drawn by algorithm.sampling.sample_logits (temperature, top-k, top-p; exact inverse-CDF
   sampling), the distribution the learner's log-probs use too.
 - The LM head, the largest cost of a decode step, is computed as head [V, E] @ hidden^T into
-  vocab-major logits [V, B], which sampling consumes as they are: XLA:CPU runs that dot ~12% faster
-  than hidden @ head^T. The [V, E] head is kept beside the state (a transposed copy of an untied
+  vocab-major logits [V, B], which sampling consumes as they are: XLA:CPU runs that dot faster
+  than hidden @ head^T (docs/benchmarks.md). The [V, E] head is kept beside the state (a transposed copy of an untied
   lm_head, made once per weight update).
 - The decode loop runs in `decode_phases` loops over a growing KV cache, so attention reads only the
   filled part of the cache plus at most one phase (see _generate_impl).
@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.config_io import config_key
 from grpo_jax.model.transformer import DTYPES, positions_from_mask
 from grpo_jax.rollout.common import (  # SampleResult, cache_layout, weights_mesh, vocab_major_head: also from here
     GeneratorProgram,
@@ -73,34 +74,35 @@ ENGINES = ("static", "continuous")  # SamplerConfig.engine
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # 1: off
-    top_k: int = 0  # 0: off
-    max_new_tokens: int = 64
-    max_prompt_len: int = 512
-    min_prompt_bucket: int = 16  # prompt lengths are padded to powers of two from here
-    min_batch_bucket: int = 1  # batch sizes are padded to powers of two from here
-    # Concurrent executions of the decode program, each on a share of the rows. The decode step is a
-    # chain of small ops that XLA's CPU runtime mostly runs one at a time on one core; it overlaps
-    # separate executions launched from separate threads. 2 gives +15-20% tokens/s on 2 cores;
-    # use 1 on an accelerator.
-    decode_streams: int = 2
-    # The decode loop is split into up to this many loops (none shorter than MIN_PHASE_STEPS) over a
-    # growing KV cache, so that early steps attend over a shorter one (see Sampler._generate_impl):
-    # 4 gives ~+3% tokens/s over 1 at 128 new tokens. Each phase is one more decode step to compile.
-    decode_phases: int = 4
-    # Which generator the trainer's actor uses: "continuous" (grpo_jax.rollout.engine: slots refilled between decode
-    # chunks, one prefill per prompt shared by its samples, groups streamed out as they finish, in-flight
-    # weight updates) or "static" (this module: one batch per handout, run until its longest row ends).
-    engine: str = "continuous"
-    # Continuous engine only. slots: sequences decoded at once (0: prompts_per_step x group_size in the
-    # trainer, 64 elsewhere), split evenly over decode_streams. chunk_steps: decode steps per device call;
-    # finished slots are refilled and new weights adopted between chunks. inflight_updates: adopt new weights
-    # between chunks, with sequences in flight (each token records the version that produced it); false:
-    # stop starting sequences while new weights wait, and adopt them once the slots have drained.
-    slots: int = 0
-    chunk_steps: int = 16
-    inflight_updates: bool = True
+    temperature: float = config_key(1.0, "Sampling temperature; 0: greedy.")
+    top_p: float = config_key(1.0, "Nucleus sampling: the smallest set of top tokens holding this much of the mass; "
+                                   "1: off.")
+    top_k: int = config_key(0, "Sample from the k most likely tokens only; 0: off.")
+    max_new_tokens: int = config_key(64, "The most tokens sampled per completion.")
+    max_prompt_len: int = config_key(512, "The longest prompt (tokens) the sampler takes.")
+    min_prompt_bucket: int = config_key(16, "Prompt lengths are padded to powers of two from here.")
+    min_batch_bucket: int = config_key(1, "Batch sizes are padded to powers of two from here.")
+    # The decode step is a chain of small ops that XLA's CPU runtime mostly runs one at a time on one core; it
+    # overlaps separate executions launched from separate threads (the gain: docs/benchmarks.md).
+    decode_streams: int = config_key(2, "Concurrent executions of the decode program, each on a share of the rows. "
+                                        "2 gives more tokens/s on 2 cores; use 1 on an accelerator.")
+    # Early steps attend over a shorter cache (see Sampler._generate_impl; the gain: docs/benchmarks.md).
+    decode_phases: int = config_key(4, "The decode loop is split into up to this many loops (none shorter than "
+                                       f"{MIN_PHASE_STEPS} steps) over a growing KV cache, so that early steps attend "
+                                       "over a shorter one. Each phase is one more decode step to compile.")
+    engine: str = config_key("continuous", "Which generator the trainer's actor uses: 'continuous' "
+                                           "(grpo_jax.rollout.engine: slots refilled between decode chunks, one "
+                                           "prefill per prompt shared by its samples, groups streamed out as they "
+                                           "finish, in-flight weight updates) or 'static' (rollout.sampler: one "
+                                           "batch per handout, run until its longest row ends).")
+    slots: int = config_key(0, "Continuous engine only: sequences decoded at once (0: prompts_per_step x "
+                               "group_size in the trainer, 64 elsewhere), split evenly over decode_streams.")
+    chunk_steps: int = config_key(16, "Continuous engine only: decode steps per device call; finished slots are "
+                                      "refilled and new weights adopted between chunks.")
+    inflight_updates: bool = config_key(True, "Continuous engine only: adopt new weights between chunks, with "
+                                              "sequences in flight (each token records the version that produced "
+                                              "it); false: stop starting sequences while new weights wait, and adopt "
+                                              "them once the slots have drained.")
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: what is allowed' strings (empty when valid)."""

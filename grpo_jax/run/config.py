@@ -7,6 +7,7 @@ import dataclasses
 from grpo_jax.algorithm.advantages import GRPOConfig
 from grpo_jax.algorithm.learner import OptimConfig
 from grpo_jax.algorithm.losses import LossConfig
+from grpo_jax.config_io import config_key
 from grpo_jax.data.pipeline import DataConfig
 from grpo_jax.envs.environment import EnvConfig
 from grpo_jax.model.lora import LoraConfig
@@ -21,30 +22,32 @@ from grpo_jax.state.checkpoint import CheckpointConfig
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    max_steps: int = 100
-    buffer_capacity: int = 0  # groups; 0: prompts_per_step * (max_staleness + 2)
-    group_timeout_s: float = 600.0  # the learner stops with an error if a step's groups take longer
-    # Several processes: the longest an agreement between them waits for one that is alive but stuck (JAX's
-    # heartbeat only ends the wait for a dead one); then the waiting processes exit with 4 and one line. 0: 3 x
-    # group_timeout_s (normal skew is seconds; a process may legitimately lag up to group_timeout_s).
-    collective_timeout_s: float = 0.0
-    reward_timeout_s: float = 10.0  # per handout: samples not scored by then fail (the others keep their scores)
-    # Stop the run once this many handouts (grpo.prompts_per_step prompts each, per process) in a row gave no group
-    # to train because the rewards failed (every group dropped as reward_error): a reward that fails on every
-    # sample (a bug, a verifier that is down) ends the run with its error instead of dropping every prompt of
-    # every epoch. 0: never stop for that.
-    reward_error_handouts: int = 10
-    progress: bool = True
-    tensorboard: bool = True
-    save_final_model: bool = True  # RUN_DIR/final_model in Hugging Face layout when the run ends
-    # dtype of final_model's weights: "" as the weights came in (model_path's checkpoint dtype, else
-    # model.param_dtype), or float32 / bfloat16.
-    export_dtype: str = ""
-    # Several processes: after every step, hash each host's copy of the weights and stop if they differ
-    # (costs a host copy and hash of the parameters per step; for tests and first runs on a new cluster).
-    check_replicas: bool = False
-    # Weights & Biases, beside metrics.jsonl and TensorBoard; off unless mode is online or offline.
-    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    max_steps: int = config_key(100, "Learner steps the run trains.")
+    buffer_capacity: int = config_key(0, "Groups the replay buffer holds; 0: prompts_per_step * (max_staleness + 2).")
+    group_timeout_s: float = config_key(600.0, "The learner stops with an error if a step's groups take longer.")
+    # JAX's heartbeat only ends the wait for a dead process; normal skew is seconds, and a process may legitimately
+    # lag up to group_timeout_s.
+    collective_timeout_s: float = config_key(0.0, "Several processes: the longest an agreement between them waits "
+                                                  "for one that is alive but stuck; then the waiting processes exit "
+                                                  "with 4 and one line. 0: 3 x group_timeout_s.")
+    reward_timeout_s: float = config_key(10.0, "Per handout: samples not scored by then fail (the others keep their "
+                                               "scores).")
+    # A reward that fails on every sample (a bug, a verifier that is down) then ends the run with its error instead
+    # of dropping every prompt of every epoch.
+    reward_error_handouts: int = config_key(10, "Stop the run once this many handouts (grpo.prompts_per_step prompts "
+                                                "each, per process) in a row gave no group to train because the "
+                                                "rewards failed (every group dropped as reward_error). 0: never stop "
+                                                "for that.")
+    progress: bool = config_key(True, "A progress bar of the learner steps (tqdm, on stderr).")
+    tensorboard: bool = config_key(True, "TensorBoard event files in RUN_DIR/tb/, beside metrics.jsonl.")
+    save_final_model: bool = config_key(True, "RUN_DIR/final_model in Hugging Face layout when the run ends.")
+    export_dtype: str = config_key("", "dtype of final_model's weights: '' as the weights came in (model_path's "
+                                       "checkpoint dtype, else model.param_dtype), or float32 / bfloat16.")
+    check_replicas: bool = config_key(False, "Several processes: after every step, hash each host's copy of the "
+                                             "weights and stop if they differ (costs a host copy and hash of the "
+                                             "parameters per step; for tests and first runs on a new cluster).")
+    wandb: WandbConfig = config_key(help="Weights & Biases, beside metrics.jsonl and TensorBoard; off unless mode is "
+                                         "online or offline.", default_factory=WandbConfig)
 
     def collective_timeout(self) -> float:
         return self.collective_timeout_s or 3 * self.group_timeout_s
@@ -75,35 +78,47 @@ def _default_rewards() -> list:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # Architecture of a model built from scratch; with model_path only dtype, param_dtype and remat apply (the
-    # architecture comes from its config.json).
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    # A Hugging Face directory (config.json + safetensors + tokenizer.json) to start from.
-    model_path: str = ""
-    # "byte" or "synthetic" (char-level over the synthetic tasks' symbols) are built locally; otherwise a
-    # directory holding tokenizer.json. Empty: the tokenizer of model_path.
-    tokenizer: str = ""
-    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    # Weighted reward terms: [{name, weight, kwargs, label, samples_per_call}]; a name from
-    # grpo_jax.algorithm.rewards.REWARDS, or a factory of your own by import path "package.module:factory".
-    rewards: list = dataclasses.field(default_factory=_default_rewards)
-    # A multi-turn environment (grpo_jax.envs): its episodes replace single completions, its reward() the rewards
-    # section (which must then be empty). None: single-turn prompts scored by `rewards`.
-    env: EnvConfig | None = None
-    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    # LoRA adapters on a frozen base (rank 0: off, every weight trains).
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    # Evaluation on held-out prompts during training (every_steps > 0) and by `grpo-jax eval`.
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-    mesh: MeshLayout = dataclasses.field(default_factory=MeshLayout)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    seed: int = 0
-    run_dir: str = "runs/default"
+    model: ModelConfig = config_key(help="Architecture of a model built from scratch; with model_path only dtype, "
+                                         "param_dtype and remat apply (the architecture comes from its config.json).",
+                                    default_factory=ModelConfig)
+    model_path: str = config_key("", "A Hugging Face directory (config.json + safetensors + tokenizer.json) to start "
+                                     "from.")
+    tokenizer: str = config_key("", "'byte' or 'synthetic' (char-level over the synthetic tasks' symbols) are built "
+                                    "locally; otherwise a directory holding tokenizer.json. Empty: the tokenizer of "
+                                    "model_path.")
+    sampler: SamplerConfig = config_key(help="How the actor samples completions (the static sampler or the "
+                                             "continuous engine).", default_factory=SamplerConfig)
+    data: DataConfig = config_key(help="The training prompts: their source, fields, format and order.",
+                                  default_factory=DataConfig)
+    rewards: list = config_key(help="Weighted reward terms: [{name, weight, kwargs, label, samples_per_call}]; a name "
+                                    "from grpo_jax.algorithm.rewards.REWARDS, or a factory of your own by import path "
+                                    "'package.module:factory'.", default_factory=_default_rewards)
+    env: EnvConfig | None = config_key(None, "A multi-turn environment (grpo_jax.envs): its episodes replace single "
+                                             "completions, its reward() the rewards section (which must then be "
+                                             "empty). None: single-turn prompts scored by `rewards`.")
+    grpo: GRPOConfig = config_key(help="Groups, steps, staleness and how advantages are computed.",
+                                  default_factory=GRPOConfig)
+    loss: LossConfig = config_key(help="The policy loss: clipping, aggregation, KL, off-policy correction and entropy.",
+                                  default_factory=LossConfig)
+    optim: OptimConfig = config_key(help="Learning rate, schedule, AdamW, clipping, and how the learner splits a "
+                                         "step's batch into mini- and micro-batches.", default_factory=OptimConfig)
+    lora: LoraConfig = config_key(help="LoRA adapters on a frozen base (rank 0: off, every weight trains).",
+                                  default_factory=LoraConfig)
+    trainer: TrainerConfig = config_key(help="The run: its length, timeouts, logging and what it writes at the end.",
+                                        default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = config_key(help="When checkpoints are saved and kept, and what a resume restores.",
+                                              default_factory=CheckpointConfig)
+    eval: EvalConfig = config_key(help="Evaluation on held-out prompts during training (every_steps > 0) and by "
+                                       "`grpo-jax eval`.", default_factory=EvalConfig)
+    mesh: MeshLayout = config_key(help="How devices split between the actor (sampling) and the learner (updates), "
+                                       "and each one's mesh.", default_factory=MeshLayout)
+    distributed: DistributedConfig = config_key(help="Several processes (a TPU pod, several hosts): how they find "
+                                                     "each other and how long they wait.",
+                                                default_factory=DistributedConfig)
+    seed: int = config_key(0, "Seed of a model built from scratch, of the LoRA adapters and their dropout, and of the "
+                                 "sampling keys.")
+    run_dir: str = config_key("runs/default", "Where metrics, the ledger and checkpoints go (grpo-jax train "
+                                              "--run-dir overrides it).")
 
     def validate(self) -> list[str]:
         from grpo_jax.algorithm.rewards import RewardNameError, RewardSpec, get_reward

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.algorithm.rewards import RewardSpec, RewardSuite
+from grpo_jax.config_io import config_key
 from grpo_jax.data.pipeline import BadRow, DataConfig, RowReader, check_fields, json_value, open_source, source_file
 from grpo_jax.errors import DataError
 
@@ -66,20 +67,22 @@ EVAL_KEY_STREAM = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    every_steps: int = 0  # evaluate at step 0, every N learner steps and at the end of the run; 0: off
-    # Held-out rows: split (a split of the training source: data.path/{split}.jsonl, a TFDS split) or path (a
-    # JSONL/Parquet file or directory in place of data.path). Synthetic tasks: rows of synthetic_seed.
-    split: str = ""
-    path: str = ""
-    synthetic_seed: int = 1  # must differ from data.seed
-    synthetic_size: int = 1000  # synthetic rows generated, before training prompts are left out
-    num_prompts: int = 64  # the first N held-out prompts in dataset order; 0: all of them
-    samples: int = 8  # sampled completions per prompt (n), besides the greedy one
-    pass_k: int = 0  # k of eval/pass@k, at most samples; 0: samples
-    temperature: float = 1.0  # of the sampled completions (pass@1 is greedy)
-    max_new_tokens: int = 0  # 0: sampler.max_new_tokens
-    correct_reward: str = ""  # label of the reward term that decides correctness; "": the weighted total
-    correct_threshold: float = 1.0  # correct: that reward >= this
+    every_steps: int = config_key(0, "Evaluate at step 0, every N learner steps and at the end of the run; 0: off.")
+    split: str = config_key("", "Held-out rows: a split of the training source (data.path/{split}.jsonl, a TFDS "
+                                "split); or set path.")
+    path: str = config_key("", "Held-out rows: a JSONL/Parquet file or directory in place of data.path; or set "
+                               "split.")
+    synthetic_seed: int = config_key(1, "Synthetic tasks: the held-out rows are those of this seed; must differ "
+                                        "from data.seed.")
+    synthetic_size: int = config_key(1000, "Synthetic rows generated, before training prompts are left out.")
+    num_prompts: int = config_key(64, "The first N held-out prompts in dataset order; 0: all of them.")
+    samples: int = config_key(8, "Sampled completions per prompt (n), besides the greedy one.")
+    pass_k: int = config_key(0, "k of eval/pass@k, at most samples; 0: samples.")
+    temperature: float = config_key(1.0, "Of the sampled completions (pass@1 is greedy).")
+    max_new_tokens: int = config_key(0, "The most tokens sampled per completion; 0: sampler.max_new_tokens.")
+    correct_reward: str = config_key("", "Label of the reward term that decides correctness; '': the weighted "
+                                         "total.")
+    correct_threshold: float = config_key(1.0, "Correct: that reward >= this.")
 
     def validate(self) -> list[str]:
         problems = []

@@ -16,6 +16,7 @@ import sys
 import uuid
 from typing import Literal
 
+from grpo_jax.config_io import config_key
 from grpo_jax.errors import ConfigError
 
 INSTALL = "pip install 'grpo_jax[wandb]'"
@@ -29,12 +30,12 @@ def wandb_installed() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class WandbConfig:
-    # disabled: no W&B, wandb is not imported; online: log to the W&B server; offline: write RUN_DIR/wandb/
-    # only (no network), to upload later with `wandb sync`.
-    mode: Literal["disabled", "online", "offline"] = "disabled"
-    project: str = ""
-    entity: str = ""  # "": the logged-in user's default entity
-    name: str = ""  # the W&B run's display name; "": the run directory's name
+    mode: Literal["disabled", "online", "offline"] = config_key(
+        "disabled", "disabled: no W&B, wandb is not imported; online: log to the W&B server; offline: write "
+                    "RUN_DIR/wandb/ only (no network), to upload later with `wandb sync`.")
+    project: str = config_key("", "The W&B project the run is logged to (needed when mode is online or offline).")
+    entity: str = config_key("", "The W&B entity (user or team); '': the logged-in user's default entity.")
+    name: str = config_key("", "The W&B run's display name; '': the run directory's name.")
 
     @property
     def enabled(self) -> bool:

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from grpo_jax.config_io import config_key
 from grpo_jax.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -75,18 +76,20 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = 50  # save after every N learner steps (0: not by steps)
-    every_seconds: float = 0.0  # save when this long has passed since the last save (0: not by time)
-    keep_last: int = 3  # keep the newest N steps ...
-    keep_every: int = 0  # ... plus every step that is a multiple of K (0: none)
-    async_save: bool = True  # write in the background; the learner only waits for the host copy
-    save_at_end: bool = True  # a final checkpoint when the run reaches max_steps or runs out of data
-    load_replay_buffer: bool = True  # False: resume with an empty buffer and generate its prompts again
-    snapshot_ring: int = 512  # iterator snapshots kept by the collector (handouts a restore can go back)
-    # Resume weights and optimizer from a checkpoint of another dataset, tokenizer or prompt format. The
-    # data stream then starts afresh at ordinal 0 and the ledger starts a new chain: the old run's prompt
-    # accounting does not describe the new data.
-    allow_data_change: bool = False
+    every_steps: int = config_key(50, "Save after every N learner steps (0: not by steps).")
+    every_seconds: float = config_key(0.0, "Save when this long has passed since the last save (0: not by time).")
+    keep_last: int = config_key(3, "Keep the newest N steps (plus those keep_every keeps).")
+    keep_every: int = config_key(0, "Besides the keep_last newest, keep every step that is a multiple of K (0: "
+                                    "none).")
+    async_save: bool = config_key(True, "Write in the background; the learner only waits for the host copy.")
+    save_at_end: bool = config_key(True, "A final checkpoint when the run reaches max_steps or runs out of data.")
+    load_replay_buffer: bool = config_key(True, "false: resume with an empty buffer and generate its prompts again.")
+    snapshot_ring: int = config_key(512, "Iterator snapshots kept by the collector (handouts a restore can go "
+                                         "back).")
+    # The old run's prompt accounting does not describe the new data.
+    allow_data_change: bool = config_key(False, "Resume weights and optimizer from a checkpoint of another dataset, "
+                                                "tokenizer or prompt format. The data stream then starts afresh at "
+                                                "ordinal 0 and the ledger starts a new chain.")
 
     def validate(self) -> list[str]:
         problems = []
