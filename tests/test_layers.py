@@ -7,8 +7,9 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_jax"
 # Lowest first. A module may import modules of its own part and of the parts before it, never after.
 LAYERS = [
-    # the base: error types, config machinery, shutdown helper, sandbox, untrusted JSON text, platform choice
-    {"errors", "config_io", "cleanup", "sandbox", "json_text", "platform"},
+    # the base: error types, config machinery, shutdown helper, sandbox, untrusted JSON text, platform choice,
+    # import paths of user code
+    {"errors", "config_io", "cleanup", "sandbox", "json_text", "platform", "plugins"},
     {"parallel"},  # meshes, device cuts, agreements between processes
     {"state"},  # what survives a restart: ledger, replay buffer, checkpoints, run lock
     {"data"},  # sources, tokenizers, the collector that stamps ordinals
@@ -93,3 +94,16 @@ def test_only_the_orchestration_layer_and_the_commands_see_the_whole_config():
                    if "grpo_jax.run.config" in imports(path, name, top_level_only=False)
                    and part_of(name) not in {"run", "planning", "api", "cli", "__init__"})
     assert not users, f"modules below the orchestration layer that take the whole Config: {users}"
+
+
+def test_the_environments_read_answers_without_loading_the_reward_suite():
+    """envs/ is host-side: it takes the answer parsing (algorithm.rewards.answers) and the registry, never the
+    suite's thread pools and worker processes (loaded on first use of RewardSuite)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, grpo_jax.envs.gsm8k, grpo_jax.envs.environment; "
+             "print('grpo_jax.algorithm.rewards.suite' in sys.modules, 'multiprocessing.connection' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.split()
+    assert out == ["False", "False"], out

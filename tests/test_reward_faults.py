@@ -18,6 +18,7 @@ import pytest
 
 import grpo_jax
 from grpo_jax.algorithm import rewards as R
+from grpo_jax.algorithm.rewards import registry
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.data.collector import Prompt
 from grpo_jax.errors import ConfigError, TrainerError
@@ -91,7 +92,8 @@ def user_module(tmp_path, monkeypatch):
     lib.mkdir()
     (lib / f"{MODULE}.py").write_text(MISBEHAVING)
     monkeypatch.syspath_prepend(str(lib))
-    monkeypatch.setattr(R, "REWARDS", dict(R.REWARDS))
+    monkeypatch.setattr(registry, "REWARDS", dict(R.REWARDS))  # the registry get_reward reads
+    monkeypatch.setattr(R, "REWARDS", registry.REWARDS)
     yield lib
     sys.modules.pop(MODULE, None)
 
@@ -99,7 +101,8 @@ def user_module(tmp_path, monkeypatch):
 @pytest.fixture
 def python_rewards(monkeypatch):
     """Reward functions registered meanwhile (grpo_jax.train(rewards=...), REWARDS[...] = ...) are forgotten."""
-    monkeypatch.setattr(R, "REWARDS", dict(R.REWARDS))
+    monkeypatch.setattr(registry, "REWARDS", dict(R.REWARDS))  # the registry get_reward reads
+    monkeypatch.setattr(R, "REWARDS", registry.REWARDS)
 
 
 def by_letter(values):

@@ -11,6 +11,7 @@ import yaml
 
 import grpo_jax
 from grpo_jax.algorithm import rewards as R
+from grpo_jax.algorithm.rewards import registry
 from grpo_jax.api import resolve_config
 from grpo_jax.cli import EXIT_USER_ERROR, main
 from grpo_jax.config_io import ConfigError
@@ -59,7 +60,8 @@ def user_module(tmp_path, monkeypatch):
     lib.mkdir()
     (lib / f"{MODULE}.py").write_text(USER_REWARDS)
     monkeypatch.syspath_prepend(str(lib))
-    monkeypatch.setattr(R, "REWARDS", dict(R.REWARDS))
+    monkeypatch.setattr(registry, "REWARDS", dict(R.REWARDS))  # the registry get_reward reads
+    monkeypatch.setattr(R, "REWARDS", registry.REWARDS)
     yield
     module = sys.modules.pop(MODULE, None)
     if module is not None:
@@ -119,7 +121,8 @@ def test_a_user_reward_that_raises_or_hangs_fails_only_those_samples(user_module
 
 
 def test_python_api_trains_with_a_callable_reward(tmp_path, monkeypatch):
-    monkeypatch.setattr(R, "REWARDS", dict(R.REWARDS))
+    monkeypatch.setattr(registry, "REWARDS", dict(R.REWARDS))  # the registry get_reward reads
+    monkeypatch.setattr(R, "REWARDS", registry.REWARDS)
     calls = itertools.count()
 
     def length_reward(records, completions, lengths):
@@ -139,7 +142,8 @@ def test_python_api_trains_with_a_callable_reward(tmp_path, monkeypatch):
 
 
 def test_python_api_reward_forms_and_refusals(monkeypatch):
-    monkeypatch.setattr(R, "REWARDS", dict(R.REWARDS))
+    monkeypatch.setattr(registry, "REWARDS", dict(R.REWARDS))  # the registry get_reward reads
+    monkeypatch.setattr(R, "REWARDS", registry.REWARDS)
 
     def score(records, completions, lengths):
         return [1.0] * len(completions)

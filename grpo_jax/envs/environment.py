@@ -33,7 +33,7 @@ simulated user, a game); `reset` and `reward` are always yours.
 Config: EnvConfig names the factory by a short name registered in ENVIRONMENTS (the built-ins: gsm8k_python,
 grpo_jax.envs.gsm8k; countdown_multiturn and fetch_code, grpo_jax.envs.synthetic; or one of your own,
 register_environment), or by import path ("package.module:factory", loaded as reward factories are:
-grpo_jax.algorithm.rewards.import_factory), called with `kwargs`; an Environment subclass is such a factory itself.
+grpo_jax.plugins.import_object), called with `kwargs`; an Environment subclass is such a factory itself.
 A run's config names it in its `env:` section (run.config.Config.env); grpo_jax.train(config, env=factory) registers
 a factory of the user's and names it there.
 """
@@ -46,11 +46,11 @@ import importlib
 import math
 from collections.abc import Callable, Sequence
 
-from grpo_jax.algorithm.rewards import RewardNameError, import_factory
 from grpo_jax.config_io import config_key
 from grpo_jax.envs.render import ENVIRONMENT_ROLES, RENDERERS, AssistantTurn, check_messages
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 from grpo_jax.errors import ConfigError
+from grpo_jax.plugins import ImportPathError, import_object
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,13 +148,13 @@ def register_environment(name: str):
 
 def environment_factory(name: str) -> Callable[..., Environment]:
     """The factory `name` names: registered in ENVIRONMENTS, or by import path "package.module:factory". A name
-    that does not resolve raises RewardNameError (its `reason` names the fix), as reward names do."""
+    that does not resolve raises ImportPathError (its `reason` names the fix), as reward names do."""
     if ":" in name:
-        return import_factory(name)
+        return import_object(name)
     for module in BUILTIN_ENVIRONMENT_MODULES:
         importlib.import_module(module)
     if name not in ENVIRONMENTS:
-        raise RewardNameError(name, f"allowed {', '.join(sorted(ENVIRONMENTS))}, or a factory of your own by import "
+        raise ImportPathError(name, f"allowed {', '.join(sorted(ENVIRONMENTS))}, or a factory of your own by import "
                                     "path 'package.module:factory'")
     return ENVIRONMENTS[name]
 
@@ -192,7 +192,7 @@ class EnvConfig:
         else:
             try:
                 environment_factory(self.name)
-            except RewardNameError as e:
+            except ImportPathError as e:
                 problems.append(f"name={self.name!r}: {e.reason}")
         if not isinstance(self.kwargs, dict):
             problems.append(f"kwargs={self.kwargs!r}: a mapping of the factory's keyword arguments")
@@ -213,8 +213,8 @@ class EnvConfig:
                             "with one seed)")
         if self.advantage:
             try:
-                import_factory(self.advantage)
-            except RewardNameError as e:
+                import_object(self.advantage, what="function")
+            except ImportPathError as e:
                 problems.append(f"advantage={self.advantage!r}: {e.reason} (a function fn(rewards, step_rewards, "
                                 "valid) -> G advantages)")
         return problems

@@ -20,7 +20,7 @@ tool does, and makes reward() raise it, so that the episode is not trained as th
 from __future__ import annotations
 
 from grpo_jax import sandbox
-from grpo_jax.algorithm.rewards import extract_final_answer, numbers_match, parse_reference
+from grpo_jax.algorithm.rewards.answers import extract_final_answer, numbers_match, parse_reference
 from grpo_jax.envs.environment import Environment, StepResult, register_environment
 from grpo_jax.envs.render import AssistantTurn
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number

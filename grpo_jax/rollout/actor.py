@@ -56,11 +56,12 @@ import jax
 import numpy as np
 
 from grpo_jax.algorithm.advantages import GRPOConfig, group_advantages
-from grpo_jax.algorithm.rewards import RewardSuite, import_factory
+from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.data.collector import Collector, Prompt
 from grpo_jax.data.tokenizer import Tokenizer
 from grpo_jax.errors import TrainerError, UserError
 from grpo_jax.parallel.distributed import HostAgreement
+from grpo_jax.plugins import import_object
 from grpo_jax.rollout.engine import Engine, GroupResult
 from grpo_jax.rollout.episodes import ENV_FAILURES, EpisodeResult, EpisodeRunner
 from grpo_jax.rollout.grouping import Drop, Judged, Keep, one_line, verdict
@@ -109,7 +110,7 @@ class Actor:
         self.streaming = isinstance(sampler, Engine)
         self.episodic = isinstance(sampler, EpisodeRunner)  # episodes of an environment, scored by its reward()
         # env.advantage: the user's function of a group's episode and step rewards, instead of group_advantages
-        self.custom_advantage = (import_factory(sampler.config.advantage)
+        self.custom_advantage = (import_object(sampler.config.advantage, what="function")
                                  if self.episodic and sampler.config.advantage else None)
         self.env_failures: collections.Counter = collections.Counter()  # failed episodes by reason
         # Its share of the devices: across hosts each process counts only its own groups' tokens.
