@@ -25,6 +25,7 @@ from grpo_jax.algorithm.learner import Learner, OptimConfig, batch_logprobs
 from grpo_jax.algorithm.losses import AGGREGATIONS, LossConfig, policy_loss
 from grpo_jax.model.transformer import create_model
 from grpo_jax.run.plan import RunPlan
+from grpo_jax.run.resume import group_fits
 from grpo_jax.run.trainer import (
     Trainer,
     TrainerError,
@@ -352,12 +353,10 @@ def test_a_segment_group_trains_its_sampled_tokens_with_its_trajectorys_advantag
         group_rows([broken], g)
 
     # A restored segment group fits while each segment fits a packed row and the trained budget.
-    trainer.plan = types.SimpleNamespace(row_length=length)
-    assert Trainer._segments_fit(trainer, groups[0]) is None
-    trainer.completion_bucket = 0
-    assert "sampled tokens, over sampler.max_new_tokens=0" in Trainer._segments_fit(trainer, groups[0])
-    trainer.plan = types.SimpleNamespace(row_length=2)
-    assert "over a learner row of 2" in Trainer._segments_fit(trainer, groups[0])
+    prompt_bucket, budget = trainer.prompt_bucket, trainer.completion_bucket
+    assert group_fits(groups[0], prompt_bucket, budget, length) is None
+    assert "sampled tokens, over sampler.max_new_tokens=0" in group_fits(groups[0], prompt_bucket, 0, length)
+    assert "over a learner row of 2" in group_fits(groups[0], prompt_bucket, budget, 2)
 
 
 def test_a_segment_step_is_the_batch_compile_compiles_the_learner_for(tmp_path):

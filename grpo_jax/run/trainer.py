@@ -26,12 +26,11 @@ save, and exit with EXIT_PREEMPTED; a second signal exits at once.
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
 import pathlib
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,7 +54,7 @@ from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
 from grpo_jax.data.collector import Collector, Prompt
-from grpo_jax.data.pipeline import FINGERPRINT_PREFIX, DataError, make_data_iterator
+from grpo_jax.data.pipeline import DataError, make_data_iterator
 from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
 from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
@@ -70,8 +69,15 @@ from grpo_jax.run.config import Config
 from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_records
 from grpo_jax.run.metrics import MetricsWriter
 from grpo_jax.run.plan import RunPlan
+from grpo_jax.run.resume import (  # pack_process_state, unpack_process_state: also importable from here
+    check_resumable,
+    group_fits,
+    pack_process_state,
+    resume_facts,
+    unpack_process_state,
+)
 from grpo_jax.run.signals import StopSignals
-from grpo_jax.state.checkpoint import Checkpoints, DamagedStep, Restored, seal_bytes, unseal_bytes
+from grpo_jax.state.checkpoint import Checkpoints, Restored
 from grpo_jax.state.ledger import Ledger, LedgerDamaged, check_covered, global_ordinal, ledger_file
 from grpo_jax.state.replay_buffer import (
     ArrayPool,
@@ -156,28 +162,6 @@ def replica_digest(state) -> int:
     return int.from_bytes(h.digest()[:4], "little") >> 1
 
 
-def pack_process_state(own: dict, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """One process's collector + buffer state as bytes (an .npz: JSON bytes plus plain arrays; loading it
-    with allow_pickle=False never runs code), followed by their SHA-256 (checkpoint.seal_bytes)."""
-    out = io.BytesIO()
-    np.savez(out, __json__=np.frombuffer(json.dumps(own).encode("utf-8"), np.uint8), **arrays)
-    return seal_bytes(np.frombuffer(out.getvalue(), np.uint8))
-
-
-def unpack_process_state(data: np.ndarray, sealed: bool) -> tuple[dict, dict[str, np.ndarray]]:
-    """pack_process_state() undone; DamagedStep when the bytes are not what was written (sealed: False for a
-    checkpoint from before the checksum, read unchecked)."""
-    if sealed:
-        data = unseal_bytes(data, "this process's saved collector/buffer bytes")
-    try:
-        with np.load(io.BytesIO(data.tobytes()), allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-        own = json.loads(arrays.pop("__json__").tobytes().decode("utf-8"))
-    except (ValueError, OSError, KeyError, UnicodeDecodeError) as e:
-        raise DamagedStep(f"this process's saved collector/buffer state is unreadable: {e}") from e
-    return own, arrays
-
-
 # ------------------------------------------------------------------------------------------ trainer
 
 
@@ -199,8 +183,14 @@ def sequence_tokens(group: Group, group_size: int) -> int:
     return int(sum(len(p) + len(c) for p, c in zip(group.segments.prompts, group.completions)))
 
 
+# The order close() releases what the trainer opened: the last checkpoint's save commits (and its ledger line is
+# written) before the ledger closes; the lock goes last, so no other trainer starts on a run directory still in use.
+CLOSE_ORDER = ("checkpoints", "ledger", "sampler", "iterator", "rewards", "eval_rewards", "run_lock")
+
+
 class Trainer:
     def __init__(self, config: Config, run_dir: str | pathlib.Path | None = None):
+        self._closers: dict[str, Callable[[], None]] = {}  # what _opened registered, by CLOSE_ORDER name
         try:
             self._start(config, run_dir)
         except BaseException as e:
@@ -213,6 +203,7 @@ class Trainer:
         self.processes, self.process_index = jax.process_count(), jax.process_index()
         # Creates the run directory; refuses one that another `grpo-jax train` holds or that cannot be written.
         self.run_lock = RunDirLock(self.run_dir, self.process_index)
+        self._opened("run_lock", self.run_lock.release)
         self.run_lock.acquire()
         if self.process_index == 0:
             for warning in config.warnings():
@@ -251,6 +242,7 @@ class Trainer:
         self.iterator = make_data_iterator(config.data, self.tokenizer, shard_index=self.process_index,
                                            shard_count=self.processes,
                                            sampler_max_prompt_len=config.sampler.max_prompt_len)
+        self._opened("iterator", self.iterator.close)
         # Held-out prompts (process 0 evaluates), read now so that a bad eval source stops the start early.
         self.evaluation: EvalDuringTraining | None = None
         eval_records = None
@@ -262,6 +254,7 @@ class Trainer:
         self.batch_layout = plan.batch_layout(self.process_index, self.tokenizer.pad_id)
         self.buffer_capacity = plan.buffer_capacity
         self.checkpoints = Checkpoints(self.run_dir, config.checkpoint)
+        self._opened("checkpoints", self.checkpoints.close)
         self.run_lock.watch(self.checkpoints.directory)  # deleted under the run: _train_loop saves again and stops
         self.resumed_from: int | None = None
         restored = self.checkpoints.load_latest(self._abstract_state, self._check_resumable,
@@ -306,6 +299,8 @@ class Trainer:
                                           config=config.sampler, adapters=actor_adapters,
                                           slots=self.plan.engine_slots, version=self.version)
             self.rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
+            self._opened("rewards", self.rewards.close)
+        self._opened("sampler", self.sampler.close)
         limits = ActorLimits(max_steps=config.trainer.max_steps, group_timeout_s=config.trainer.group_timeout_s,
                              reward_error_handouts=config.trainer.reward_error_handouts)
         self.actor = Actor(config.grpo, limits, self.sampler, self.tokenizer, self.collector, self.buffer,
@@ -314,8 +309,9 @@ class Trainer:
                            if plan.actor_spans_hosts else None)
         if eval_records is not None:
             # Its own reward suite, so eval timeouts stay out of the training reward metrics.
-            evaluator = Evaluator(config, self.tokenizer, eval_records,
-                                  RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s),
+            eval_rewards = RewardSuite(config.rewards, timeout_s=config.trainer.reward_timeout_s)
+            self._opened("eval_rewards", eval_rewards.close)
+            evaluator = Evaluator(config, self.tokenizer, eval_records, eval_rewards,
                                   batch_rows=self.local_prompts * grpo.group_size)
             self.evaluation = EvalDuringTraining(evaluator, self.actor, self.sampler)
         self.stop_signals = StopSignals()
@@ -325,14 +321,15 @@ class Trainer:
         """Release what the trainer opened: checkpoint manager, ledger file, sampler threads, data iterator
         (Grain threads and worker processes) and the run-directory lock, each even if closing another fails.
         Idempotent; train() calls it at the end, __init__ when start-up fails. `failure`: the error already
-        on its way out, which close() must not hide (its own failures are then logged, not raised)."""
-        evaluation = getattr(self, "evaluation", None)
-        resources = [getattr(self, name, None) for name in ("checkpoints", "ledger", "sampler", "iterator", "rewards")]
-        resources.append(evaluation.evaluator.rewards if evaluation is not None else None)
-        steps = [resource.close for resource in resources if resource is not None]
-        if getattr(self, "run_lock", None) is not None:
-            steps.append(self.run_lock.release)
-        run_all(steps, failure)
+        on its way out, which close() must not hide (its own failures are then logged, not raised). Each resource
+        registered itself as it opened (_opened); they close in CLOSE_ORDER."""
+        run_all([self._closers[name] for name in CLOSE_ORDER if name in self._closers], failure)
+
+    def _opened(self, name: str, closer: Callable[[], None]) -> None:
+        """Register what close() calls for a resource just opened (a second one of a name replaces the first, which
+        its opener closed: the ledger of a new chain)."""
+        assert name in CLOSE_ORDER, name
+        self._closers[name] = closer
 
     def nothing_trained_error(self) -> TrainerError | None:
         """For a run that ended without a step: an error when it dropped every prompt it handed out (e.g. every
@@ -358,8 +355,10 @@ class Trainer:
                          snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=ledger)
 
     def _new_ledger(self, resumed_from: dict | None = None) -> Ledger:
-        return Ledger(self.run_dir, resumed_from=resumed_from, process_index=self.process_index,
-                      process_count=self.processes)
+        ledger = Ledger(self.run_dir, resumed_from=resumed_from, process_index=self.process_index,
+                        process_count=self.processes)
+        self._opened("ledger", ledger.close)
+        return ledger
 
     def _committed(self, x):
         """A single-device leaf (optax's step count is made uncommitted, on one device) replicated on the
@@ -407,58 +406,14 @@ class Trainer:
             row, sealed=restored.meta.get("process_state_sealed", False))
 
     def _resume_facts(self) -> dict:
-        """What a checkpoint records and a resume must match (besides the tensor layout)."""
-        lora = self.config.lora
-        # The adapters only mean something on the base and with the scale they were trained with (dropout may change).
-        adapters = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
-                    "base": self.base_identity} if lora.enabled else None
-        return {"data_fingerprint": self.iterator.fingerprint, "worker_count": self.config.data.worker_count,
-                "process_count": self.processes, "group_size": self.config.grpo.group_size, "lora": adapters}
+        """What a checkpoint records and a resume must match (run.resume.resume_facts)."""
+        return resume_facts(self.config, self.iterator.fingerprint, self.processes,
+                            self.base_identity if self.config.lora.enabled else None)
 
     def _check_resumable(self, meta: dict) -> None:
-        """Refuse, with the reason, a checkpoint this config cannot resume exactly (see Checkpoints)."""
-        facts, step = meta.get("facts", {}), meta["step"]
-        where = f"checkpoint step {step} in {self.checkpoints.directory}"
-        now = self._resume_facts()
-        if facts.get("lora") != now["lora"]:
-            def described(lora):
-                if lora is None:
-                    return "without LoRA (every weight trained)"
-                return (f"with LoRA rank={lora['rank']} alpha={lora['alpha']} targets={lora['targets']} on base "
-                        f"{lora['base']}")
-            raise CheckpointError(
-                f"{where} was trained {described(facts.get('lora'))}; this config has {described(now['lora'])} "
-                f"(model_path={self.config.model_path!r}): resume with the lora section and base model the run "
-                "was started with, or start a new run directory")
-        saved_fingerprint = str(facts.get("data_fingerprint"))
-        if (saved_fingerprint != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change
-                and not saved_fingerprint.startswith(FINGERPRINT_PREFIX)):
-            raise CheckpointError(
-                f"{where} was written by an earlier grpo_jax, whose data fingerprint ({saved_fingerprint}) did not "
-                "hash the data file's content, so this version cannot check that the data is the same. Finish the run "
-                "with the grpo_jax that started it, start a new run directory, or set "
-                "checkpoint.allow_data_change=true to keep the weights and optimizer and start a new data stream")
-        if facts.get("data_fingerprint") != now["data_fingerprint"] and not self.config.checkpoint.allow_data_change:
-            raise CheckpointError(
-                f"{where} was written for another dataset, tokenizer, prompt format or shuffle (data fingerprint "
-                f"{facts.get('data_fingerprint')}, now {now['data_fingerprint']}). Resume with the original data "
-                "config, start a new run directory, or set checkpoint.allow_data_change=true to keep the weights "
-                "and optimizer and start a new data stream")
-        if facts.get("data_fingerprint") == now["data_fingerprint"]:
-            if facts.get("worker_count") != now["worker_count"]:
-                raise CheckpointError(
-                    f"{where} was written with data.worker_count={facts.get('worker_count')}, this config has "
-                    f"{now['worker_count']}: Grain cannot restore its iterator under another worker count (set "
-                    f"data.worker_count={facts.get('worker_count')})")
-            if facts.get("process_count") != now["process_count"]:
-                raise CheckpointError(
-                    f"{where} was written by {facts.get('process_count')} JAX process(es), this run has "
-                    f"{now['process_count']}: each process's data shard and iterator state would differ")
-        if (self.config.checkpoint.load_replay_buffer and meta.get("buffered_groups")
-                and facts.get("group_size") != now["group_size"]):
-            raise CheckpointError(
-                f"{where} holds groups of {facts.get('group_size')} completions, grpo.group_size is now "
-                f"{now['group_size']}: set checkpoint.load_replay_buffer=false to generate them again")
+        """Refuse, with the reason, a checkpoint this config cannot resume exactly (run.resume.check_resumable)."""
+        check_resumable(meta, self._resume_facts(), self.config,
+                        where=f"checkpoint step {meta['step']} in {self.checkpoints.directory}")
 
     def _resume(self, restored: Restored) -> None:
         step, meta = restored.step, restored.meta
@@ -525,31 +480,8 @@ class Trainer:
                     len(self.buffer), global_ordinal(saved_collector["resume_base_ordinal"], *where))
 
     def _group_fits(self, group: Group) -> str | None:
-        """Why a restored group cannot be trained under this config (None: it can). A config may lower the
-        token limits between runs; such a group is generated again, never dropped."""
-        if group.segmented:
-            return self._segments_fit(group)
-        if len(group.prompt["prompt_ids"]) > self.prompt_bucket:
-            return (f"its prompt has {len(group.prompt['prompt_ids'])} tokens, over the prompt limit "
-                    f"{self.prompt_bucket} (data.max_prompt_len / sampler.max_prompt_len)")
-        longest = max(len(c) for c in group.completions)
-        if longest > self.completion_bucket:
-            return f"a completion has {longest} tokens, over sampler.max_new_tokens={self.completion_bucket}"
-        return None
-
-    def _segments_fit(self, group: Group) -> str | None:
-        """_group_fits for a segment group: each segment in one packed row (prompt + completion within the row's
-        tokens, its sampled tokens within the completion bucket, the row's trained budget)."""
-        length = self.plan.row_length
-        for i, (prompt, completion, mask) in enumerate(zip(group.segments.prompts, group.completions,
-                                                           group.segments.masks)):
-            if len(prompt) + len(completion) > length:
-                return (f"segment {i} has {len(prompt)} + {len(completion)} tokens, over a learner row of {length} "
-                        f"(prompt limit {self.prompt_bucket} + sampler.max_new_tokens={self.completion_bucket})")
-            sampled = int(np.sum(np.asarray(mask, np.float32)))
-            if sampled > self.completion_bucket:
-                return f"segment {i} has {sampled} sampled tokens, over sampler.max_new_tokens={self.completion_bucket}"
-        return None
+        """Why a restored group cannot be trained under this config (run.resume.group_fits); None: it can."""
+        return group_fits(group, self.prompt_bucket, self.completion_bucket, self.plan.row_length)
 
     def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
         """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,

@@ -10,7 +10,7 @@ One Orbax CheckpointManager per run directory, steps under RUN_DIR/checkpoints/<
 
 With several processes Orbax writes JSON from the primary process only, so `collector` holds
 {"per_process": true}, `buffer` is empty, and each process's collector and buffer state is its sealed row
-of the array state["processes"] (run.trainer.pack_process_state).
+of the array state["processes"] (run.resume.pack_process_state).
 
 Everything is arrays or JSON, so loading a checkpoint never runs code. Orbax writes a step into a
 temporary directory and renames it when complete: a save killed half-way never becomes a step (the
