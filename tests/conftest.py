@@ -147,12 +147,29 @@ def small_disk(tmp_path, request):
 # for the fixtures.) `--no-loadscope-reorder` keeps the order below, longest modules first (measured with
 # `--durations=0`), so that neither worker is left alone with a long one at the end; and the several-process
 # runs of test_multiprocess stay on one worker, never two of them at once on the machine's 2 cores.
-LONGEST_FIRST = ["test_multiprocess", "test_compile", "test_multiturn_training", "test_lora", "test_learner",
-                 "test_fit", "test_weight_sync", "test_warm_start", "test_trainer", "test_evaluation", "test_engine",
-                 "test_checkpoint", "test_resume_e2e", "test_packing", "test_checkpoint_faults", "test_plan",
-                 "test_run_dir_faults"]
+LONGEST_FIRST = ["test_multiprocess", "test_multiturn_training", "test_compile", "test_lora", "test_learner",
+                 "test_gguf", "test_trainer", "test_resume_e2e", "test_weight_sync", "test_packing", "test_moe",
+                 "test_evaluation", "test_engine", "test_warm_start", "test_run_dir_faults", "test_fit", "test_plan",
+                 "test_checkpoint", "test_sampler", "test_losses", "test_checkpoint_faults"]
+# The fast tier's complement (pytest -m "not slow"): tools/slow_tests.py writes it from measured durations.
+SLOW_TESTS = pathlib.Path(__file__).with_name("slow_tests.txt")
 
 
+def slow_test_ids() -> set[str]:
+    lines = SLOW_TESTS.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers added here
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: modules stay contiguous
+    slow = slow_test_ids()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+    # A whole-suite collection must find every listed test: a renamed one would silently turn fast.
+    collected = {item.nodeid for item in items}
+    if len(collected) > 1000 and not config.option.keyword and (slow - collected):
+        raise pytest.UsageError(f"{SLOW_TESTS}: no such test(s) {sorted(slow - collected)[:3]}: run "
+                                "tools/slow_tests.py again")

@@ -431,6 +431,35 @@ def test_reward_workers_and_their_programs_end_at_interpreter_exit_and_when_the_
                     os.kill(pid, signal.SIGKILL)
 
 
+def test_a_worker_started_while_the_pool_closes_is_gone_when_close_returns(monkeypatch):
+    """A call killed at its deadline starts its replacement on the call's thread; a close() meanwhile (the trainer
+    stopping) must not return before that process is killed too (a run that stopped left one behind)."""
+    from grpo_jax.algorithm.rewards import suite as rewards_suite
+
+    real = rewards_suite._WorkerProcess
+    spawned, release = threading.Event(), threading.Event()
+
+    def slow_start(spec):
+        worker = real(spec)  # the process exists ...
+        spawned.set()
+        release.wait(10)  # ... and close() runs before the pool hears of it
+        return worker
+
+    pool = rewards_suite._ProcessPool(R.RewardSpec.parse({"name": "format", "isolation": "process"}), "probe", 1)
+    monkeypatch.setattr(rewards_suite, "_WorkerProcess", slow_start)
+    starter = threading.Thread(target=pool._start)
+    starter.start()
+    assert spawned.wait(10)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # waiting for the start under way
+    release.set()
+    closer.join(10)
+    starter.join(10)
+    assert not closer.is_alive() and reward_workers() == []
+
+
 def test_where_rewards_run():
     assert R.RewardSpec("format").runs_in == "thread"  # its own pattern: no config regex
     assert R.RewardSpec("format", kwargs={"pattern": "x"}).runs_in == "process"

@@ -466,7 +466,8 @@ class _ProcessPool:
 
     def __init__(self, spec: RewardSpec, label: str, workers: int):
         self.spec, self.label, self.workers = spec, label, workers
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # close() waits on it for the processes being started
+        self._starting = 0  # processes being started (a replacement, outside the lock): close() waits for them
         self._live: set[_WorkerProcess] = set()
         self._idle: list[_WorkerProcess] = []
         self._closed = False
@@ -476,14 +477,24 @@ class _ProcessPool:
             self._idle.append(self._start())
 
     def _start(self) -> _WorkerProcess | None:
-        """A new worker process; None once the pool is closed."""
-        worker = _WorkerProcess(self.spec)
+        """A new worker process; None once the pool is closed. One started while close() runs is killed before
+        close() returns (it waits for every start under way), so none outlives the pool."""
         with self._lock:
-            if not self._closed:
-                self._live.add(worker)
-                return worker
-        worker.kill()
-        return None
+            if self._closed:
+                return None
+            self._starting += 1
+        try:
+            worker = _WorkerProcess(self.spec)
+            with self._lock:
+                if not self._closed:
+                    self._live.add(worker)
+                    return worker
+            worker.kill()
+            return None
+        finally:
+            with self._lock:
+                self._starting -= 1
+                self._lock.notify_all()
 
     def stuck_threads(self) -> int:
         return 0  # a thread never outlives its call's deadline: the process is killed instead
@@ -550,6 +561,8 @@ class _ProcessPool:
         """Kill every worker process, idle or in a call, and wait for them to end."""
         with self._lock:
             self._closed = True
+            while self._starting:  # each ends with its process in _live, or killed
+                self._lock.wait()
             idle, self._idle = self._idle, []
             busy = [w for w in self._live if w not in idle]
             self._live.clear()
