@@ -81,7 +81,8 @@ def sequences_of(groups: list[Group], layout: BatchLayout) -> Sequences:
     segment groups without packing (their sequences vary in number and length beyond the padded layout's) and for
     routing replay without routing."""
     g = layout.group_size
-    prompts, completions, logprobs, advantages, masks = group_rows(groups, g)
+    per_group = [group_sequences(group, g) for group in groups]  # once per group: every step below reads them
+    prompts, completions, logprobs, advantages, masks = group_rows(groups, g, per_group)
     if masks is not None and not layout.packing:
         raise TrainerError("multi-turn environment groups (segments with environment tokens) train only in "
                            "packed rows: set optim.packing=true")
@@ -93,12 +94,12 @@ def sequences_of(groups: list[Group], layout: BatchLayout) -> Sequences:
         advantages = np.concatenate([advantages, np.zeros(missing, np.float32)])
         if masks is not None:
             masks += [np.zeros(0, np.float32)] * missing
-    valid = row_validity(groups, g, len(prompts))
-    routing = group_routing(groups, g, len(prompts)) if layout.replays_routing else None
+    valid = row_validity(groups, g, len(prompts), per_group)
+    routing = group_routing(groups, g, len(prompts), per_group) if layout.replays_routing else None
     if layout.replays_routing and routing is None:
         raise TrainerError("routing replay: the groups of this step carry no routing (the actor records it "
                            "only with sampler.engine=continuous); set model.routing_replay=false")
-    samples = [group_sequences(group, g)[1] for group in groups]
+    samples = [group_samples for _, group_samples in per_group]
     trajectories = trajectory_numbers(samples, len(prompts))
     prompt_lengths, completion_lengths, trained_lengths = sequence_lengths(prompts, completions, valid, masks)
     packed = None
@@ -180,16 +181,17 @@ def group_sequences(group: Group, group_size: int) -> tuple[np.ndarray, np.ndarr
     return rows, trajectory[rows]
 
 
-def group_rows(groups: list[Group], group_size: int):
+def group_rows(groups: list[Group], group_size: int, per_group: list | None = None):
     """Flatten groups into learner sequences (group_sequences' rows, group after group): prompts, completions,
     behaviour log-probs (lists of arrays, one per sequence; an ordinary group's prompt array is shared by its
     rows), advantages [sequences] (a segment's is its trajectory's), and completion masks: None when no group is
     a segment group, else one float32 0/1 array per sequence (a segment's mask, Group.segments; all ones for
-    an ordinary group's completion), for pack_batch / pack_sequences. No per-token Python."""
+    an ordinary group's completion), for pack_batch / pack_sequences. No per-token Python. per_group: each group's
+    group_sequences, when the caller has them (sequences_of: once per group and step)."""
+    per_group = per_group or [group_sequences(group, group_size) for group in groups]
     prompts, completions, logprobs, advantages = [], [], [], []
     masks = [] if any(group.segmented for group in groups) else None
-    for group in groups:
-        rows, samples = group_sequences(group, group_size)
+    for group, (rows, samples) in zip(groups, per_group):
         if group.segmented:
             prompts += [np.asarray(group.segments.prompts[i], np.int32) for i in rows]
             masks += [np.asarray(group.segments.masks[i], np.float32) for i in rows]
@@ -204,30 +206,30 @@ def group_rows(groups: list[Group], group_size: int):
     return prompts, completions, logprobs, advantages, masks
 
 
-def group_routing(groups: list[Group], group_size: int, rows: int) -> list | None:
+def group_routing(groups: list[Group], group_size: int, rows: int, per_group: list | None = None) -> list | None:
     """Per row, in group_rows' order, the experts its input tokens went through when sampled (the group's
     Group.routing, one per row of the group); rows past the groups' (padding) route nowhere they are read.
-    None without routing."""
+    None without routing. per_group: as group_rows'."""
     if not groups or groups[0].routing is None:
         return None
-    out = [np.asarray(group.routing[i], np.int32) for group in groups
-           for i in group_sequences(group, group_size)[0]]
+    per_group = per_group or [group_sequences(group, group_size) for group in groups]
+    out = [np.asarray(group.routing[i], np.int32) for group, (rows_of_group, _) in zip(groups, per_group)
+           for i in rows_of_group]
     return out + [np.zeros((0, *out[0].shape[1:]), np.int32)] * (rows - len(out))
 
 
-def row_validity(groups: list[Group], group_size: int, rows: int) -> np.ndarray:
+def row_validity(groups: list[Group], group_size: int, rows: int, per_group: list | None = None) -> np.ndarray:
     """[rows] bool, in group_rows' order: whether each row's reward was scored (its sample's Group.valid: a
     segment takes its trajectory's; all when the group has none). Rows past the groups' (padding) are False. A
     failed row must train nothing, like padding (pack_batch's `valid`): its advantage is 0, but left in the batch
-    it would still count in every loss denominator and get the KL gradient."""
+    it would still count in every loss denominator and get the KL gradient. per_group: as group_rows'."""
+    per_group = per_group or [group_sequences(group, group_size) for group in groups]
     out = np.zeros(rows, bool)
     start = 0
-    for group in groups:
-        _, samples = group_sequences(group, group_size)
+    for group, (_, samples) in zip(groups, per_group):
         out[start:start + len(samples)] = True if group.valid is None else np.asarray(group.valid, bool)[samples]
         start += len(samples)
     return out
-
 
 
 def mini_batch_of_row(row, mini_batches: int):
@@ -236,7 +238,6 @@ def mini_batch_of_row(row, mini_batches: int):
     mini-batch of its trajectory's padded row). An int or an int array. The one place of the rule: pack_layout
     places sequences by it, groups_trained reads the learner's applied updates by it."""
     return row % mini_batches
-
 
 
 def place_rows(rows: list[np.ndarray], width: int, align_right: bool, dtype, fill=0) -> tuple[np.ndarray, np.ndarray]:

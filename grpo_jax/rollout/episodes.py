@@ -80,12 +80,12 @@ from grpo_jax.envs.render import Renderer, renderer_for_run
 from grpo_jax.envs.trajectory import Trajectory
 from grpo_jax.errors import TrainerError
 from grpo_jax.rollout.continuation import ContinuationEngine, Drawn
+from grpo_jax.rollout.grouping import one_line
 from grpo_jax.rollout.sampler import SamplerConfig
 
 logger = logging.getLogger("grpo_jax.rollout.episodes")
 
 ENV_FAILURES = ("env_error", "env_timeout", "context_limit")  # EpisodeResult.failure, and ledger drop reasons
-DETAIL_CHARS = 300
 # Beyond step_timeout_s, the longest the actor waits for a call that has not started yet (waiting for a free slot)
 # or whose loop is busy with untracked work; a call holding the loop past step_timeout_s is told apart at once.
 TIMEOUT_GRACE_S = 5.0
@@ -171,13 +171,8 @@ class _Episode:
 
     def fail(self, reason: str, detail: str) -> None:
         if self.result.failure is None:  # the first reason stands
-            self.result.failure, self.result.detail = reason, _one_line(detail)
+            self.result.failure, self.result.detail = reason, one_line(detail)
         self.over = True
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= DETAIL_CHARS else text[:DETAIL_CHARS - 3] + "..."
 
 
 @dataclasses.dataclass(eq=False)
@@ -830,7 +825,7 @@ class EpisodeRunner:
                             raise
             except Exception as exc:  # noqa: BLE001 - a failing close() must not lose the episode
                 self.stats["close_errors"] += 1
-                logger.warning("environment close() failed: %s", _one_line(getattr(exc, "detail", None) or
+                logger.warning("environment close() failed: %s", one_line(getattr(exc, "detail", None) or
                                                                            f"{type(exc).__name__}: {exc}"))
         for env_loop in self._replaced:
             env_loop.stop()  # once free again, after the close() calls queued on it

@@ -26,8 +26,9 @@ from grpo_jax.algorithm.advantages import custom_advantages
 DETAIL_CHARS = 300
 
 
-def one_line(text: str, limit: int = DETAIL_CHARS) -> str:
-    text = " ".join(text.split())
+def one_line(text, limit: int = DETAIL_CHARS) -> str:
+    """`text` (any object, as str) on one line, at most `limit` characters."""
+    text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
