@@ -53,10 +53,10 @@ from grpo_jax.algorithm.learner import Learner, TrainBatch
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
-from grpo_jax.data.collector import Collector, Prompt
-from grpo_jax.data.pipeline import DataError, make_data_iterator
+from grpo_jax.data.collector import Prompt
+from grpo_jax.data.pipeline import make_data_iterator
 from grpo_jax.data.tokenizer import Tokenizer, load_tokenizer
-from grpo_jax.errors import CheckpointError, RunDirError, TrainerError, UserError
+from grpo_jax.errors import RunDirError, TrainerError, UserError
 from grpo_jax.model.lora import base_identity, init_adapters, save_peft_adapter
 from grpo_jax.model.transformer import Transformer, create_model
 from grpo_jax.parallel.distributed import HostAgreement
@@ -70,19 +70,22 @@ from grpo_jax.run.evaluation import EvalDuringTraining, Evaluator, held_out_reco
 from grpo_jax.run.metrics import MetricsWriter
 from grpo_jax.run.plan import RunPlan
 from grpo_jax.run.resume import (  # pack_process_state, unpack_process_state: also importable from here
+    DataState,
+    DataStateSpec,
     check_resumable,
+    fresh_data_state,
     group_fits,
     pack_process_state,
     resume_facts,
+    resumed_data_state,
     unpack_process_state,
 )
 from grpo_jax.run.signals import StopSignals
 from grpo_jax.state.checkpoint import Checkpoints, Restored
-from grpo_jax.state.ledger import Ledger, LedgerDamaged, check_covered, global_ordinal, ledger_file
+from grpo_jax.state.ledger import Ledger, ledger_file
 from grpo_jax.state.replay_buffer import (
     ArrayPool,
     Group,
-    ReplayBuffer,
     ReplayBufferClosed,
     ReplayBufferTimeout,
 )
@@ -275,7 +278,7 @@ class Trainer:
                 self.close()
             return
         if restored is None:
-            self._start_fresh()
+            self._take_data_state(fresh_data_state(self._data_state_spec(), self.iterator, self._ledger_opened))
         else:
             self._resume(restored)
         if self.process_index == 0:  # only now: a start refused above leaves the run directory as it was
@@ -345,20 +348,19 @@ class Trainer:
 
     # -- start and resume ----------------------------------------------------------------------------
 
-    def _new_buffer(self, learner_version: int) -> ReplayBuffer:
+    def _data_state_spec(self) -> DataStateSpec:
         grpo = self.config.grpo
-        return ReplayBuffer(self.buffer_capacity, grpo.max_staleness, self.local_prompts,
-                            learner_version=learner_version)
+        return DataStateSpec(run_dir=self.run_dir, process_index=self.process_index, process_count=self.processes,
+                             handout_size=self.local_prompts, buffer_capacity=self.buffer_capacity,
+                             max_staleness=grpo.max_staleness, prompts_per_step=grpo.prompts_per_step,
+                             snapshot_ring=self.config.checkpoint.snapshot_ring,
+                             load_replay_buffer=self.config.checkpoint.load_replay_buffer)
 
-    def _new_collector(self, ledger: Ledger) -> Collector:
-        return Collector(self.iterator, handout_size=self.local_prompts,
-                         snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=ledger)
+    def _take_data_state(self, state: DataState) -> None:
+        self.ledger, self.buffer, self.collector = state.ledger, state.buffer, state.collector
 
-    def _new_ledger(self, resumed_from: dict | None = None) -> Ledger:
-        ledger = Ledger(self.run_dir, resumed_from=resumed_from, process_index=self.process_index,
-                        process_count=self.processes)
+    def _ledger_opened(self, ledger: Ledger) -> None:
         self._opened("ledger", ledger.close)
-        return ledger
 
     def _committed(self, x):
         """A single-device leaf (optax's step count is made uncommitted, on one device) replicated on the
@@ -366,14 +368,6 @@ class Trainer:
         if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
             return jax.device_put(np.asarray(x), self.replicated)
         return x
-
-    def _start_fresh(self) -> None:
-        if (self.run_dir / ledger_file(self.process_index, self.processes)).exists():
-            logger.warning("%s has a ledger but no usable checkpoint: starting from scratch; the ledger starts a "
-                           "new chain and the audit counts only this start", self.run_dir)
-        self.ledger = self._new_ledger()
-        self.buffer = self._new_buffer(0)
-        self.collector = self._new_collector(self.ledger)
 
     def _saved_state(self) -> dict:
         return {"params": self.learner.params, "opt_state": self.learner.opt_state,
@@ -429,77 +423,13 @@ class Trainer:
         self.resumed_from = step
         # The restored step is on disk: a stop before the first new step must not save it again (Orbax refuses).
         self.checkpoints.last_saved_step = step
-        saved_collector = restored.collector.get("collector", {})
-        if meta["facts"]["data_fingerprint"] != self.iterator.fingerprint:
-            logger.warning("resuming weights and optimizer from step %d with another dataset/tokenizer/prompt "
-                           "format (checkpoint.allow_data_change): the data stream starts at ordinal 0 and the "
-                           "ledger starts a new chain", step)
-            self.ledger = self._new_ledger()
-            self.buffer = self._new_buffer(step)
-            self.collector = self._new_collector(self.ledger)
-            return
-        if "frontier_ordinal" not in saved_collector:
-            self._resume_without_ordinals(step, saved_collector)
-            return
-        # The ledger must hold the line the checkpoint covers (deleted or cut back, resuming would leave the
-        # prompts trained before it unaccounted for): every process looks at its own before any writes to it.
-        try:
-            check_covered(self.run_dir, step, saved_collector["ledger_covers"], self.process_index, self.processes)
-            damaged = None
-        except LedgerDamaged as e:
-            damaged = e
-        elsewhere = self.agreement.gather([damaged is not None])[:, 0]
-        if damaged is not None:
-            raise damaged
-        if elsewhere.any():
-            raise LedgerDamaged(f"process {int(np.argmax(elsewhere))}'s prompt ledger does not hold the line that "
-                                f"checkpoint step {step} covers (its own message names the file), so no process "
-                                f"resumes; nothing in {self.run_dir} was changed")
-        self.ledger = self._new_ledger(resumed_from={"step": step, **saved_collector["ledger_covers"]})
-        if self.config.checkpoint.load_replay_buffer:
-            grpo = self.config.grpo
-            self.buffer = ReplayBuffer.from_state(
-                restored.collector["buffer"], self.buffer_capacity, grpo.max_staleness, self.local_prompts,
-                pool=ArrayPool(restored.buffer_arrays), learner_version=step, fits=self._group_fits)
-            if self.buffer.left_out:
-                ordinal, reason = self.buffer.left_out[0]
-                logger.warning("%d restored group(s) no longer fit this config and will be generated again "
-                               "(first: ordinal %d, %s)", len(self.buffer.left_out),
-                               global_ordinal(ordinal, self.process_index, self.processes), reason)
-        else:
-            self.buffer = self._new_buffer(step)
-        try:
-            self.collector = Collector.restore(
-                self.iterator, saved_collector, self.buffer.ordinals(), handout_size=self.local_prompts,
-                snapshot_ring=self.config.checkpoint.snapshot_ring, ledger=self.ledger)
-        except DataError as e:
-            raise CheckpointError(f"checkpoint step {step}: {e}") from e
-        where = (self.process_index, self.processes)  # ordinals in the log are global, as in the ledger
-        logger.info("resumed from checkpoint step %d: frontier ordinal %d, %d group(s) restored into the buffer, "
-                    "the data stream goes back to ordinal %d", step, global_ordinal(self.collector.frontier, *where),
-                    len(self.buffer), global_ordinal(saved_collector["resume_base_ordinal"], *where))
+        self._take_data_state(resumed_data_state(self._data_state_spec(), self.iterator, restored,
+                                                 fits=self._group_fits, gather=self.agreement.gather,
+                                                 on_ledger=self._ledger_opened))
 
     def _group_fits(self, group: Group) -> str | None:
         """Why a restored group cannot be trained under this config (run.resume.group_fits); None: it can."""
         return group_fits(group, self.prompt_bucket, self.completion_bucket, self.plan.row_length)
-
-    def _resume_without_ordinals(self, step: int, saved_collector: dict) -> None:
-        """A checkpoint from before ordinals (it holds only the iterator's live position): resume there,
-        with the old lossy behaviour, and say what is lost."""
-        in_flight = (self.config.grpo.max_staleness + 1) * self.config.grpo.prompts_per_step
-        logger.warning(
-            "checkpoint step %d has no ordinal data (an older format): the data stream resumes at the "
-            "iterator's live position at save time, so the prompts that were being generated or waiting in "
-            "the replay buffer then are lost (up to %d with this config) and cannot be counted; the ledger "
-            "starts a new chain. Checkpoints written from now on are exact.", step, in_flight)
-        try:
-            self.iterator.set_state(saved_collector["iterator_state"]["json"])
-        except (KeyError, TypeError, DataError) as e:
-            raise CheckpointError(f"checkpoint step {step}: unusable iterator state in an older-format "
-                                  f"collector record ({e})") from e
-        self.ledger = self._new_ledger()
-        self.buffer = self._new_buffer(step)
-        self.collector = self._new_collector(self.ledger)
 
     # -- saving -------------------------------------------------------------------------------------
 
