@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -183,10 +184,17 @@ def cmd_train(args) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     except (OSError, ValueError):
         pass  # stderr is not a real file (e.g. captured by a test runner): no stack dumps, nothing else changes
-    from grpo_jax.parallel.distributed import initialize
+    from grpo_jax.parallel.distributed import PeerLost, initialize
     initialize(config.distributed)  # several processes (a TPU pod, or the multi-process tests)
-    trainer = Trainer(config, run_dir)
-    history = trainer.train()
+    try:
+        trainer = Trainer(config, run_dir)
+        history = trainer.train()
+    except PeerLost as e:
+        # The trainer has closed what it opened. JAX's exit would wait at a shutdown barrier the lost process can
+        # never reach (distributed.shutdown_timeout_s), then abort with pages of log: leave now, in one line.
+        print_error(e)
+        sys.stdout.flush()
+        os._exit(e.exit_code)
     if trainer.preempted:
         print(f"preempted after step {trainer.version}; checkpoint saved in {run_dir}: run the same command to "
               "resume", file=sys.stderr)
@@ -415,9 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except UserError as e:
-        message = " ".join(line.strip() for line in str(e).splitlines())  # one line, even for YAML's messages
-        print(f"grpo-jax: error: {message}", file=sys.stderr)
+        print_error(e)
         return e.exit_code
+
+
+def print_error(e: UserError) -> None:
+    message = " ".join(line.strip() for line in str(e).splitlines())  # one line, even for YAML's messages
+    print(f"grpo-jax: error: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -224,3 +224,47 @@ def test_an_agreement_with_a_live_but_stuck_peer_ends_after_the_collective_timeo
         for p in procs:
             p.kill()
             p.wait()
+
+
+# Process 1 dies (as under SIGKILL: no cleanup) after the first agreement; process 0 comes to the second.
+DEAD_PEER = r"""
+import os, sys
+import jax
+process, port = int(sys.argv[1]), sys.argv[2]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process,
+                           heartbeat_timeout_seconds=30, initialization_timeout=60, shutdown_timeout_seconds=5)
+from grpo_jax.parallel.distributed import HostAgreement, PeerLost
+agreement = HostAgreement(jax.devices(), timeout_s=60)
+assert agreement.gather([process]).tolist() == [[0], [1]]
+if process == 1:
+    os._exit(9)
+try:
+    agreement.gather([process])
+except PeerLost as e:
+    print(f"grpo-jax: error: {e}", file=sys.stderr, flush=True)
+    os._exit(e.exit_code)
+"""
+
+
+def test_an_agreement_whose_peer_died_fails_at_once_in_one_line_naming_it(tmp_path):
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
+    procs = [subprocess.Popen([sys.executable, "-c", DEAD_PEER, str(p), str(port)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for p in (0, 1)]
+    try:
+        assert procs[1].wait(60) == 9
+        started = time.monotonic()
+        code = procs[0].wait(25)  # well before the heartbeat (30 s) or the agreement's own timeout (60 s)
+        stderr = procs[0].stderr.read().decode()
+        assert code == 2 and time.monotonic() - started < 20, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+        line = [x for x in stderr.splitlines() if x.startswith("grpo-jax: error: ")][-1]
+        gather_line = DEAD_PEER.splitlines().index("    agreement.gather([process])") + 1
+        for part in (f"<module> (<string>:{gather_line})", "round 2", "a process stopped or cannot be reached",
+                     "last committed checkpoint"):
+            assert part in line, (part, line)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -15,7 +15,8 @@ the wait for the others at exit (a survivor that stops with an error would other
 A process that is alive but stuck (a hung mount, a reward holding the GIL) keeps its heartbeat: every
 HostAgreement gather is bounded by its own timeout instead (`trainer.collective_timeout_s`), after which
 the waiting process exits with EXIT_COLLECTIVE_TIMEOUT and one line naming the agreement and the absent
-processes.
+processes. A process that died closes its collective connections, and the gather it leaves waiting fails at
+once: PeerLost, one line naming the agreement (the survivors exit instead of printing XLA's traceback).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 
 from grpo_jax.config_io import config_key
+from grpo_jax.errors import TrainerError
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,10 @@ def by_process(devices) -> np.ndarray:
     return np.array([rows[p] for p in sorted(rows)])
 
 
+class PeerLost(TrainerError):
+    """A collective between the processes failed because one of them is gone (its connections closed)."""
+
+
 class HostAgreement:
     """Gathers a small int32 vector from every process, over the given devices of every process: the
     learner's for the trainer's agreements (so they never queue behind the actor's sampling), the actor's
@@ -184,11 +190,22 @@ class HostAgreement:
             client = _coordination_client()
             if client is not None:
                 client.key_value_set(f"{self._arrivals}{jax.process_index()}", str(self.round), allow_overwrite=True)
-            x = jax.make_array_from_process_local_data(self.row_sharding, local)
-            return np.asarray(self._gather(x).addressable_data(0))
+            return self._collective(jax.make_array_from_process_local_data(self.row_sharding, local))
         finally:
             with self._watch_changed:
                 self._waiting = None
+
+    def _collective(self, x: jax.Array) -> np.ndarray:
+        try:
+            return np.asarray(self._gather(x).addressable_data(0))
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            # A peer that died (SIGKILL, OOM) closes its collective connections: the gather fails at once (gloo's
+            # failure comes as either type, from XLA's status). The identity program fails for nothing else.
+            why = " ".join(str(e).split())[:300]
+            raise PeerLost(f"the agreement of all {self.processes} processes at {_caller()}, round {self.round}, "
+                           f"failed ({why}): a process stopped or cannot be reached; once every process has "
+                           "stopped, run the same command on each to resume from the last committed checkpoint"
+                           ) from e
 
     def _watch(self, round_: int) -> None:
         start = time.monotonic()
