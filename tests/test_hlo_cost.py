@@ -80,6 +80,46 @@ def test_on_tpu_the_trip_count_is_read_from_the_loop(tpu_devices):
     assert 0.75 * nbytes <= looped.bytes <= 1.25 * nbytes
 
 
+def test_a_kernel_costs_the_estimate_it_states(tpu_devices):
+    """Megablox's grouped matmul (a Pallas kernel, a custom call to XLA) states its FLOPs and bytes in its backend
+    config: program_cost counts them, as XLA's cost analysis does, as a "kernel"."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(tpu_devices[:1]), ("x",)), PartitionSpec())
+    args = (jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=sharding))
+    compiled = _compile(gmm, args)
+    cost = program_cost(compiled.as_text())
+    kernels = [part for (_, kind), part in cost.parts.items() if kind == "kernel"]
+    assert len(kernels) == 1 and kernels[0].flops == 2 * 512 * 256 * 512
+    assert cost.flops == pytest.approx(_xla_cost(compiled)[0], rel=1e-3)
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_splash_attention_costs_the_matmuls_of_the_blocks_it_computes(tpu_devices, window):
+    """Splash states no estimate: its forward, dq and dkv kernels cost 2, 3 and 4 matmuls of the query x key blocks
+    that causal masking (and a window) leave, 10 of 16 blocks of 256 at 1,024 tokens (9 with a window of 300), and
+    their bytes are a small part of the dense path's, which holds [T, S] scores."""
+    from grpo_jax.model import attention
+    heads, kv, length, dim = 4, 2, 1024, 128
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(tpu_devices[:1]), ("x",)), PartitionSpec())
+    shapes = ((1, kv, heads // kv, length, dim), (1, kv, length, dim), (1, kv, length, dim))
+    args = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes)
+    blocks = attention.causal_blocks(length, 256, window)
+    assert blocks == (9 if window else 10)
+
+    def gradients(impl):
+        def loss(q, k, v):
+            mask = attention.causal_mask(jnp.ones((1, length), bool), length).with_window(window)
+            return attention.attend(q, k, v, mask, 0.1, impl=impl, block=256).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    splash, dense = (program_cost(_compile(gradients(impl), args).as_text()) for impl in ("splash", "dense"))
+    kernel_flops = sum(part.flops for (_, kind), part in splash.parts.items() if kind == "kernel")
+    assert kernel_flops == 2 * (2 + 3 + 4) * heads * length * length * dim * blocks / 16
+    assert splash.bytes < 0.3 * dense.bytes
+
+
 def test_a_tpu_convolution_counts_only_the_windows_that_read_input(tpu_devices):
     """The TPU compiler writes some matmuls as padded convolutions; their FLOPs are counted over the valid
     window positions only, as XLA counts them: a strided, padded, dilated convolution program costs XLA's

@@ -545,6 +545,10 @@ class Learner:
         return (self.params, self.opt_state, batch, self.ref_params, self.frozen, dropout_key,
                 np.int32(self.steps_done))
 
+    def lowered_step(self, batch: TrainBatch) -> jax.stages.Lowered:
+        """The step this batch would run, lowered and not run (for reading its program: compile().as_text())."""
+        return self._step.lower(*self.step_arguments(batch))
+
     def step(self, batch: TrainBatch) -> tuple[dict[str, Any], np.ndarray]:
         """One learner step; returns host metrics and which updates were applied ([updates] bool; update u
         trained mini-batch u % mini_batches). The caller decides what a skipped update means for its rows

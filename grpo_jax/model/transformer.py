@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from grpo_jax.config_io import config_key
+from grpo_jax.model.attention import ATTENTION_IMPLS, AttentionMask, attend, causal_mask, choose, target_platform
 from grpo_jax.parallel.sharding import constrain, constrain_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -69,6 +70,13 @@ class ModelConfig:
     dtype: str = config_key("float32", "Compute dtype: float32 or bfloat16.")
     param_dtype: str = config_key("float32", "Dtype of the master weights: float32 or bfloat16.")
     remat: bool = config_key(False, "Recompute each layer in the backward pass (less memory, more compute).")
+    attention: str = config_key("auto", "How attention's softmax is computed (model.attention module): dense (the "
+                                        "[T, S] scores whole), blockwise (online softmax over blocks of keys, "
+                                        "memory linear in the sequence), splash (TPU's Pallas kernel; self-"
+                                        "attention, else blockwise); auto: splash on TPU, elsewhere blockwise for "
+                                        "rows longer than 4 blocks, dense below and for decode steps.")
+    attention_block: int = config_key(512, "Keys per block of the blockwise and splash attention (splash: also "
+                                           "queries per block); a power of two, at least 128 for splash.")
     architecture: str = config_key("qwen2", "The Hugging Face class written on export: qwen2, llama, qwen3 (which "
                                             "adds qk_norm), qwen3_moe (experts besides) or gemma3 (see the "
                                             "model.transformer module docstring).")
@@ -227,6 +235,10 @@ class ModelConfig:
         elif self.architecture == "qwen3_moe":
             problems.append("num_experts=0: architecture qwen3_moe needs experts (num_experts, num_experts_per_tok, "
                             "moe_intermediate_size)")
+        if self.attention not in ATTENTION_IMPLS:
+            problems.append(f"attention={self.attention!r}: allowed {list(ATTENTION_IMPLS)}")
+        if self.attention_block < 8 or self.attention_block & (self.attention_block - 1):
+            problems.append(f"attention_block={self.attention_block}: a power of two, at least 8 (512 is usual)")
         if self.moe_dispatch not in MOE_DISPATCH:
             problems.append(f"moe_dispatch={self.moe_dispatch!r}: allowed {list(MOE_DISPATCH)}")
         for key in ("rope_local_theta", "query_pre_attn_scalar"):
@@ -332,10 +344,12 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_groups = h // kv
         self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+        self.impl, self.block = config.attention, config.attention_block
 
     @jax.named_scope("attention")
-    def __call__(self, x, positions, mask, inv_freq, cache, write_index, adapters=None, dropout_key=None):
-        """x: [B,T,E]; mask: [B,T,S] bool; cache: (k, v) each [B,C,S,D] or None (then S == T), where C is
+    def __call__(self, x, positions, mask: AttentionMask, inv_freq, cache, write_index, adapters=None,
+                 dropout_key=None):
+        """x: [B,T,E]; mask: which of S keys each query sees; cache: (k, v) each [B,C,S,D] or None (S == T), where C is
         num_kv_heads or a multiple of it that divides num_heads (see Transformer.init_cache); query head h reads
         cache head h // (num_heads / C).
         adapters: this layer's lora.LayerAdapters or None; dropout_key: their dropout (None: none)."""
@@ -367,13 +381,11 @@ class Attention(nnx.Module):
             cache = (k, v)
         b, t, h, d = q.shape
         kv = k.shape[1]
-        q = q.reshape(b, t, kv, h // kv, d)
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(dtype),
-                            preferred_element_type=jnp.float32) * self.scale
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        # Output in dot order (bkgtd), then transpose: asking XLA for btkgd directly picked a slow dot.
-        out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dtype))
+        # Queries as [B, KV, G, T, D], the attention's batch dims leading; its output in that order, then
+        # transposed: asking XLA for btkgd directly picked a slow dot.
+        q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+        impl = choose(self.impl, mask, self.block, target_platform())
+        out = attend(q, k.astype(dtype), v.astype(dtype), mask, self.scale, impl=impl, block=self.block)
         out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h, d)
         y = jnp.einsum("nhd,hde->ne", out, self.o[...].astype(dtype))
         if adapters is not None:
@@ -623,19 +635,12 @@ class Transformer(nnx.Module):
         of the router's choice (routing replay: the experts the actor used), or None.
         """
         x = constrain_rows(self.embed_tokens(tokens))
-        t = tokens.shape[1]
-        s = key_mask.shape[1]
-        query_slot = write_index + jnp.arange(t)[:, None]
-        mask = key_mask[:, None, :] & (jnp.arange(s)[None, :] <= query_slot)[None]
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids: only without a KV cache (a row of packed sequences)")
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids: only without a KV cache (a row of packed sequences)")
+        mask = causal_mask(key_mask, tokens.shape[1], write_index, segment_ids)
         # A local layer's query sees the keys at most sliding_window - 1 slots before its own: a sequence's tokens
         # are in consecutive slots (padding only before or after them), so slots count positions.
-        local_mask = None
-        if self.config.has_local_layers:
-            local_mask = mask & (jnp.arange(s)[None, :] > query_slot - self.config.sliding_window)[None]
+        local_mask = mask.with_window(self.config.sliding_window) if self.config.has_local_layers else None
         inv_freq = rope_inverse_frequencies(self.config)
         local_inv_freq = rope_inverse_frequencies(self.config, local=True)
         new_cache, used = [], []

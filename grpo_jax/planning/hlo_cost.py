@@ -14,10 +14,15 @@ annotates on every loop it can count: lax.scan, lax.map, fori_loop with static b
 - FLOPs: 2 per multiply-add of every dot and convolution, inside fusions too. Elementwise work is not counted:
   a roofline's FLOPs bound is the matmuls' (the elementwise work is in the bytes).
 - A `conditional` costs its dearest branch; a `call` its computation.
+- A custom call (a Pallas kernel) costs the `cost_estimate` its kernel states in the backend config (FLOPs and
+  bytes, as megablox's grouped matmuls state them). Splash attention's kernels state none: their FLOPs are the
+  matmuls of the blocks they compute, which the attention wrapper names in its scope (`splash_blocks_A_of_N`:
+  A of the N query x key blocks are not masked whole, model.attention.splash_attention), and their bytes are
+  their operands and results, read and written once.
 
 `Breakdown.parts` groups the bytes and FLOPs by the named scope of the model code that made each instruction
 (`jax.named_scope`: the transformer's "attention", "mlp", ...; see SCOPES) and by the kind of instruction
-(matmul, collective, copy, other), so the compile report can say what moves the bytes.
+(matmul, kernel, collective, copy, other), so the compile report can say what moves the bytes.
 
 Pure Python over the HLO text: no JAX import, testable against NumPy-free references.
 """
@@ -45,6 +50,13 @@ FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after
 _NAME = re.compile(r"%([\w.\-]+)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
+_SPLASH_KERNEL = re.compile(r"^splash_m[hq]a_(fwd|dq|dkv)")
+_SPLASH_BLOCKS = re.compile(r"splash_blocks_(\d+)_of_(\d+)")
+_FLOAT_SHAPE = re.compile(r"\b(?:bf16|f16|f32)\[([0-9,]+)\]")
+# Matmuls of one query x key block per kernel, counted in multiply-adds of block_q x block_kv x head_dim: the forward
+# kernel's q k^T and p v, the dq kernel's recomputed scores, d_p and d_q, the dkv kernel's scores, d_p, d_v, d_k.
+SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +171,7 @@ def shape_dims(shape: str) -> tuple[int, ...]:
 def parse_module(text: str) -> tuple[dict[str, Computation], str]:
     """The module's computations by name, and the entry computation's name."""
     computations, entry, current, instructions = {}, "", None, []
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         header = _HEADER.match(line)
         if header:
             current, instructions = header.group(2), []
@@ -185,6 +197,46 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
             instructions.append(Instruction(name, shape, opcode, tuple(_NAME.findall(rest[:end])), rest[:end],
                                             rest[end + 1:], line.lstrip().startswith("ROOT")))
     return computations, entry
+
+
+def _logical_lines(text: str) -> list[str]:
+    """The module's lines with an instruction's continuation lines (a kernel's multi-line frontend attributes)
+    joined to it."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        continued = lines and line.strip() != "}" and not _HEADER.match(line) and not _INSTRUCTION.match(line) \
+            and _INSTRUCTION.match(lines[-1])
+        if continued:
+            lines[-1] += line
+        else:
+            lines.append(line)
+    return lines
+
+
+def custom_call_cost(instruction: Instruction) -> tuple[float, float] | None:
+    """FLOPs and bytes of a kernel that states them or that splash_flops counts (bytes None then: its operands
+    and result), else None."""
+    found = _COST_ESTIMATE.search(instruction.attributes)
+    if found:
+        return float(found.group(1)), float(found.group(2))
+    flops = splash_flops(instruction)
+    return None if flops is None else (flops, None)
+
+
+def splash_flops(instruction: Instruction) -> float | None:
+    """A splash-attention kernel's FLOPs: its matmuls (SPLASH_MATMULS) over the blocks it computes, from its
+    query and key operands' shapes ([..., heads, queries, head_dim], [..., kv_heads, keys, head_dim], the first
+    two floating-point operands) and the unmasked share of blocks its scope names; None for another kernel."""
+    kernel = _SPLASH_KERNEL.match(instruction.name)
+    blocks = _SPLASH_BLOCKS.search(instruction.op_name)
+    start = instruction.attributes.find("operand_layout_constraints={")
+    constraints = instruction.attributes[start:instruction.attributes.find("}}", start)] if start >= 0 else ""
+    shapes = [tuple(int(n) for n in dims.split(",")) for dims in _FLOAT_SHAPE.findall(constraints)]
+    if not kernel or not blocks or len(shapes) < 2 or len(shapes[0]) < 3 or len(shapes[1]) < 3:
+        return None
+    q, k = shapes[0], shapes[1]
+    share = int(blocks.group(1)) / int(blocks.group(2))
+    return 2.0 * SPLASH_MATMULS[kernel.group(1)] * math.prod(q[:-1]) * k[-2] * q[-1] * share
 
 
 def _trip_count(loop: Instruction, computations: dict[str, Computation], outer: Computation) -> int | None:
@@ -370,6 +422,10 @@ class _Walker:
             if op in ("dot", "convolution"):
                 flops = dot_flops(instruction, computation)
             nbytes = self._plain_bytes(instruction, computation)
+            if op == "custom-call":
+                stated = custom_call_cost(instruction)
+                if stated is not None:
+                    flops, nbytes = stated[0], nbytes if stated[1] is None else stated[1]
         self.result.add(scope, kind, flops, nbytes, times)
 
     def _operand_bytes(self, name: str, computation: Computation) -> float:
@@ -460,6 +516,8 @@ class _Walker:
             return "collective"
         if op in ("dot", "convolution"):
             return "matmul"
+        if op == "custom-call" and custom_call_cost(instruction) is not None:
+            return "kernel"
         if op == "fusion":
             called = instruction.attribute("calls").lstrip("%")
             if self._fusion_has(called, ("dot", "convolution")):

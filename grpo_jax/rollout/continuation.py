@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.errors import ConfigError
+from grpo_jax.model.attention import AttentionMask, causal_mask
 from grpo_jax.model.transformer import rope_inverse_frequencies
 from grpo_jax.rollout.common import (
     GeneratorProgram,
@@ -329,7 +330,8 @@ class ContinuationEngine:
                          keys=jnp.zeros((rows, 2), jnp.uint32), clock=jnp.zeros((), jnp.int32))
 
     def _layers(self, model, lora, x, positions, attend, cache, write_index):
-        """The model's layers over x [R, T, E] writing columns write_index.. of the cache; attend [R, T, C]."""
+        """The model's layers over x [R, T, E] writing columns write_index.. of the cache; attend: which of the C
+        columns each query sees."""
         inv_freq = rope_inverse_frequencies(model.config)
         new_cache = []
         for i, layer in enumerate(model.layers):
@@ -348,7 +350,6 @@ class ContinuationEngine:
         self.num_compilations += 1
         model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         width = tokens.shape[1]
-        columns = state.key_mask.shape[1]
         extending = mask.any(axis=1)
         key_mask = jnp.where(restart[:, None], False, state.key_mask)
         position = jnp.where(restart, 0, state.position)
@@ -356,8 +357,7 @@ class ContinuationEngine:
         keys = jnp.where(restart[:, None], keys, state.keys)
         key_mask = jax.lax.dynamic_update_slice(key_mask, mask, (0, state.clock))
         positions = position[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        query_column = state.clock + jnp.arange(width)
-        attend = key_mask[:, None, :] & (jnp.arange(columns)[None, None, :] <= query_column[None, :, None])
+        attend = causal_mask(key_mask, width, state.clock)
         hidden, cache = self._layers(model, lora, model.embed_tokens(tokens), positions, attend, state.cache,
                                      state.clock)
         token, logprob = self._sample(head, hidden[:, -1], keys, generated, temperature, top_p, greedy, top_k,
@@ -384,7 +384,8 @@ class ContinuationEngine:
             live = st.active
             key_mask = jax.lax.dynamic_update_slice(st.key_mask, live[:, None], (0, st.clock))
             hidden, cache = self._layers(model, lora, model.embed_tokens(st.last_token[:, None]),
-                                         st.position[:, None], key_mask[:, None, :], st.cache, st.clock)
+                                         st.position[:, None], AttentionMask(key_mask=key_mask), st.cache,
+                                         st.clock)
             token, logprob = self._sample(head, hidden[:, 0], st.keys, st.generated, temperature, top_p, greedy,
                                           top_k, use_top_p)
             token = jnp.where(live, token, self.pad_id)

@@ -58,6 +58,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
+from grpo_jax.model.attention import AttentionMask
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
 from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: also importable from here
     GeneratorProgram,
@@ -785,7 +786,7 @@ class Engine:
             for i, layer in enumerate(model.layers):
                 local = config.is_local(i)
                 x, layer_cache, experts = layer(x, st.position[:, None],
-                                                (local_key_mask if local else key_mask)[:, None, :],
+                                                AttentionMask(key_mask=local_key_mask if local else key_mask),
                                                 local_inv_freq if local else inv_freq, st.cache[i],
                                                 local_column if local else column,
                                                 None if lora is None else lora.layers[i])
