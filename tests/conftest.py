@@ -173,3 +173,20 @@ def pytest_collection_modifyitems(config, items):
     if len(collected) > 1000 and not config.option.keyword and (slow - collected):
         raise pytest.UsageError(f"{SLOW_TESTS}: no such test(s) {sorted(slow - collected)[:3]}: run "
                                 "tools/slow_tests.py again")
+
+
+def random_packed_batch(seed: int, size: int, vocab: int, prompt_len: int, completion_len: int, mini_batches: int):
+    """A learner batch of `size` random sequences (prompts up to prompt_len, completions up to completion_len tokens)
+    packed into rows of prompt_len + completion_len, in `mini_batches` mini-batches."""
+    import numpy as np
+
+    from grpo_jax.algorithm.batch import pack_layout, pack_sequences, sequence_lengths
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, vocab, rng.integers(1, prompt_len + 1)) for _ in range(size)]
+    completions = [rng.integers(1, vocab, rng.integers(1, completion_len + 1)) for _ in range(size)]
+    behaviour = [rng.normal(-3.0, 0.3, len(c)) for c in completions]
+    advantages = rng.normal(size=size).astype(np.float32)
+    row = prompt_len + completion_len
+    layout = pack_layout(*sequence_lengths(prompts, completions)[:2], row, completion_len, mini_batches)
+    return pack_sequences(prompts, completions, behaviour, advantages, 0, row, completion_len, mini_batches,
+                          layout=layout)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.algorithm.batch import pack_layout, pack_sequences, sequence_lengths
+from conftest import random_packed_batch
 from grpo_jax.algorithm.learner import Learner, OptimConfig
 from grpo_jax.algorithm.losses import LossConfig
 from grpo_jax.model import attention
@@ -132,14 +132,8 @@ def test_auto_chooses_splash_on_tpu_blockwise_for_long_rows_and_dense_for_decode
     assert "attention='flash'" in " ".join(dataclasses.replace(MODEL, attention="flash").validate())
 
 
-def packed_batch(seed: int = 5, size: int = 12):
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(1, MODEL.vocab_size, rng.integers(1, 9)) for _ in range(size)]
-    completions = [rng.integers(1, MODEL.vocab_size, rng.integers(1, 25)) for _ in range(size)]
-    behaviour = [rng.normal(-3.0, 0.3, len(c)) for c in completions]
-    advantages = rng.normal(size=size).astype(np.float32)
-    layout = pack_layout(*sequence_lengths(prompts, completions)[:2], 64, 24, 1)
-    return pack_sequences(prompts, completions, behaviour, advantages, 0, 64, 24, 1, layout=layout)
+def packed_batch():
+    return random_packed_batch(5, 12, MODEL.vocab_size, 40, 24, 1)
 
 
 @pytest.mark.parametrize("config", [MODEL, GEMMA3], ids=["qwen2", "gemma3"])

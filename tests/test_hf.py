@@ -29,7 +29,7 @@ from grpo_jax.model.hf import (
     save_hf_model,
 )
 from grpo_jax.model.safetensors_io import SafetensorsFile, load_file, save_file
-from grpo_jax.model.transformer import ModelConfig, abstract_model, param_dict, positions_from_mask
+from grpo_jax.model.transformer import ModelConfig, abstract_model, create_model, param_dict, positions_from_mask
 
 torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
@@ -324,8 +324,11 @@ def test_remat_is_honoured(checkpoints):
     plain, _ = load_hf_model(path)
     remat, _ = load_hf_model(path, remat=True)
     assert remat.config.remat and not plain.config.remat
-    # The backward pass recomputes each layer (jax.checkpoint shows as a remat equation) only when asked.
-    assert gradient_program(remat).count("remat") == remat.config.num_layers
+    # The backward pass recomputes each layer (jax.checkpoint shows as a remat equation) only when asked: once in
+    # the scanned body of the repeating block, once per layer unrolled.
+    assert gradient_program(remat).count("remat") == remat.config.layer_period()
+    unrolled = create_model(dataclasses.replace(remat.config, scan_layers=False))
+    assert gradient_program(unrolled).count("remat") == remat.config.num_layers > 1
     assert "remat" not in gradient_program(plain)
 
 

@@ -47,6 +47,7 @@ ROPE_SCALING_TYPES = ("llama3", "linear")
 ARCHITECTURES = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
 MOE_DISPATCH = ("ragged", "dense")  # ModelConfig.moe_dispatch
 LAYER_TYPES = ("full_attention", "sliding_attention")  # ModelConfig.layer_types, as Hugging Face names them
+REMAT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")  # jax.checkpoint_policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,14 @@ class ModelConfig:
     dtype: str = config_key("float32", "Compute dtype: float32 or bfloat16.")
     param_dtype: str = config_key("float32", "Dtype of the master weights: float32 or bfloat16.")
     remat: bool = config_key(False, "Recompute each layer in the backward pass (less memory, more compute).")
+    remat_policy: str = config_key("nothing_saveable", "With remat, what a layer's forward pass keeps for the "
+                                                       "backward: nothing_saveable (only the layer's input), "
+                                                       "dots_with_no_batch_dims_saveable (also the matmuls against "
+                                                       "weights), dots_saveable (every matmul's output).")
+    scan_layers: bool = config_key(True, "Without a KV cache (the learner's passes), run the layers as a lax.scan "
+                                         "over their repeating block (every layer, or Gemma 3's 5 local + 1 "
+                                         "global): one compiled body instead of one per layer, the same numbers. "
+                                         "false: a Python loop over the layers.")
     attention: str = config_key("auto", "How attention's softmax is computed (model.attention module): dense (the "
                                         "[T, S] scores whole), blockwise (online softmax over blocks of keys, "
                                         "memory linear in the sequence), splash (TPU's Pallas kernel; self-"
@@ -168,6 +177,13 @@ class ModelConfig:
         """A token's recorded routing: (layers with experts, experts per token); (0, 0) when none is recorded."""
         return (len(self.moe_layers), self.num_experts_per_tok) if self.replays_routing else (0, 0)
 
+    def layer_period(self) -> int:
+        """The shortest p with every layer built as layer i mod p is (local or full attention, experts or a dense
+        MLP): the repeating block scan_layers compiles once (num_layers: none repeats)."""
+        kind = [(self.is_local(i), self.is_moe(i)) for i in range(self.num_layers)]
+        return next(p for p in range(1, self.num_layers + 1)
+                    if all(kind[i] == kind[i % p] for i in range(self.num_layers)))
+
     @property
     def has_local_layers(self) -> bool:
         return "sliding_attention" in self.layer_types
@@ -235,6 +251,8 @@ class ModelConfig:
         elif self.architecture == "qwen3_moe":
             problems.append("num_experts=0: architecture qwen3_moe needs experts (num_experts, num_experts_per_tok, "
                             "moe_intermediate_size)")
+        if self.remat_policy not in REMAT_POLICIES:
+            problems.append(f"remat_policy={self.remat_policy!r}: allowed {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_IMPLS:
             problems.append(f"attention={self.attention!r}: allowed {list(ATTENTION_IMPLS)}")
         if self.attention_block < 8 or self.attention_block & (self.attention_block - 1):
@@ -643,34 +661,85 @@ class Transformer(nnx.Module):
         local_mask = mask.with_window(self.config.sliding_window) if self.config.has_local_layers else None
         inv_freq = rope_inverse_frequencies(self.config)
         local_inv_freq = rope_inverse_frequencies(self.config, local=True)
-        new_cache, used = [], []
         moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
-        for i, layer in enumerate(self.layers):
-            layer_routing = None if routing is None or i not in moe_index else routing[:, :, moe_index[i]]
-            layer_cache = None if cache is None else cache[i]
-            layer_adapters = None if adapters is None else adapters.layers[i]
-            layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+
+        def layer_inputs(i):
+            """Layer i's adapters, dropout key, routing, mask and RoPE frequencies."""
             local = self.config.is_local(i)
-            args = (x, positions, local_mask if local else mask, local_inv_freq if local else inv_freq, layer_cache,
-                    write_index)
-            if self.config.remat:
-                # jax.checkpoint over a pure function of the layer's (and its adapters') state: nnx.remat refuses
-                # weights that enter the trace without being differentiated (the frozen base under LoRA).
-                block_def, block_state = nnx.split((layer, layer_adapters))
+            return (None if adapters is None else adapters.layers[i],
+                    None if dropout_key is None else jax.random.fold_in(dropout_key, i),
+                    None if routing is None or i not in moe_index else routing[:, :, moe_index[i]],
+                    local_mask if local else mask, local_inv_freq if local else inv_freq)
 
-                def block(state, key, layer_routing, *args, block_def=block_def):
-                    blk, adapters_i = nnx.merge(block_def, state)
-                    return blk(*args, adapters_i, key, layer_routing)
+        def run_layer(layer, x, layer_adapters, layer_key, layer_routing, layer_mask, layer_inv_freq, layer_cache):
+            args = (x, positions, layer_mask, layer_inv_freq, layer_cache, write_index)
+            if not self.config.remat:
+                return layer(*args, layer_adapters, layer_key, layer_routing)
+            # jax.checkpoint over a pure function of the layer's (and its adapters') state: nnx.remat refuses
+            # weights that enter the trace without being differentiated (the frozen base under LoRA).
+            block_def, block_state = nnx.split((layer, layer_adapters))
 
-                x, layer_cache, experts = jax.checkpoint(block)(block_state, layer_key, layer_routing, *args)
-            else:
-                x, layer_cache, experts = layer(*args, layer_adapters, layer_key, layer_routing)
+            def block(state, key, layer_routing, *args):
+                blk, adapters_i = nnx.merge(block_def, state)
+                return blk(*args, adapters_i, key, layer_routing)
+
+            policy = getattr(jax.checkpoint_policies, self.config.remat_policy)
+            return jax.checkpoint(block, policy=policy)(block_state, layer_key, layer_routing, *args)
+
+        period = self.config.layer_period()
+        scanned = (self.config.num_layers // period) * period if cache is None and self.config.scan_layers and \
+            period < self.config.num_layers else 0
+        used: list = [None] * self.config.num_layers
+        if scanned:
+            x, experts = self._scan_layers(x, scanned, period, layer_inputs, run_layer)
+            used[:scanned] = experts
+        new_cache = []
+        for i in range(scanned, self.config.num_layers):
+            x, layer_cache, used[i] = run_layer(self.layers[i], x, *layer_inputs(i),
+                                                None if cache is None else cache[i])
             x = constrain_rows(x)
             new_cache.append(layer_cache)
-            if experts is not None:
-                used.append(experts)
+        used = [experts for experts in used if experts is not None]
         return (self.final_norm(x), (None if cache is None else tuple(new_cache)),
                 jnp.stack(used, axis=2) if used else None)
+
+    def _scan_layers(self, x, layers: int, period: int, layer_inputs, run_layer) -> tuple[jax.Array, list]:
+        """The first `layers` layers (a multiple of `period`) as a lax.scan over their repeating block: layer
+        j * period + r's weights (and adapters) stacked with the other r-th layers' and read as slice j. Returns
+        the hidden states and each layer's experts (None for a dense MLP)."""
+        def stacked(trees):
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+        def compute_weights(state):
+            # Every matrix of a layer is cast to the compute dtype where it is used, so the stacked copy is made
+            # in that dtype: half the bytes of float32 master weights. Vectors (norm weights) stay as they are.
+            return jax.tree.map(lambda w: w.astype(self.compute_dtype) if w.ndim >= 2 else w, state)
+
+        defs, states, per_layer = [], [], []
+        for r in range(period):
+            members = range(r, layers, period)
+            split = [nnx.split((self.layers[i], layer_inputs(i)[0])) for i in members]
+            defs.append(split[0][0])
+            states.append(stacked([compute_weights(state) for _, state in split]))
+            key, routing, mask, inv_freq = layer_inputs(r)[1:]
+            keys = None if key is None else stacked([layer_inputs(i)[1] for i in members])
+            routings = None if routing is None else stacked([layer_inputs(i)[2] for i in members])
+            per_layer.append((keys, routings))
+        fixed = [layer_inputs(r)[3:] for r in range(period)]  # mask and frequencies: the same for every slice
+
+        def body(x, xs):
+            block_states, block_inputs = xs
+            experts = []
+            for r in range(period):
+                layer, layer_adapters = nnx.merge(defs[r], block_states[r])
+                x, _, used = run_layer(layer, x, layer_adapters, *block_inputs[r], *fixed[r], None)
+                x = constrain_rows(x)
+                experts.append(used)
+            return x, experts
+
+        x, experts = jax.lax.scan(body, x, (states, per_layer))
+        return x, [None if experts[r] is None else experts[r][j] for j in range(layers // period)
+                   for r in range(period)]
 
     def head_weight(self) -> jnp.ndarray:
         """[E, V] output projection (the transposed embedding when tied)."""
