@@ -50,9 +50,15 @@ class AttentionMask:
     window: int = dataclasses.field(default=0, metadata={"static": True})
     # Queries and keys are the same slots 0 .. T-1 (nothing cached before them): what `splash` computes.
     self_attention: bool = dataclasses.field(default=False, metadata={"static": True})
+    whole: jax.Array | None = None  # [B, T, S] bool, made once for every layer's dense path (with_whole)
 
     def with_window(self, window: int) -> AttentionMask:
-        return dataclasses.replace(self, window=window)
+        return dataclasses.replace(self, window=window, whole=None)
+
+    def with_whole(self) -> AttentionMask:
+        """The mask with its [B, T, S] array made now, once, for layers that take the dense path: as an input of
+        each layer (a remat boundary included) rather than remade inside it, which cost the learner step memory."""
+        return dataclasses.replace(self, whole=self.dense())
 
     def block(self, start, size: int) -> jax.Array:
         """[B, T, size] bool: which of the keys in slots start .. start + size - 1 each query sees."""
@@ -71,7 +77,7 @@ class AttentionMask:
 
     def dense(self) -> jax.Array:
         """[B, T, S] bool, the whole mask."""
-        return self.block(0, self.key_mask.shape[1])
+        return self.block(0, self.key_mask.shape[1]) if self.whole is None else self.whole
 
     def padded(self, keys: int) -> AttentionMask:
         """The same rule over `keys` slots: the added slots hold no key."""
@@ -80,7 +86,7 @@ class AttentionMask:
             return self
         key_segments = None if self.key_segments is None else jnp.pad(self.key_segments, ((0, 0), (0, extra)))
         return dataclasses.replace(self, key_mask=jnp.pad(self.key_mask, ((0, 0), (0, extra))),
-                                   key_segments=key_segments)
+                                   key_segments=key_segments, whole=None)
 
 
 def causal_mask(key_mask: jax.Array, queries: int, write_index=0, segment_ids: jax.Array | None = None

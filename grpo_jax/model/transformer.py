@@ -659,6 +659,9 @@ class Transformer(nnx.Module):
         # A local layer's query sees the keys at most sliding_window - 1 slots before its own: a sequence's tokens
         # are in consecutive slots (padding only before or after them), so slots count positions.
         local_mask = mask.with_window(self.config.sliding_window) if self.config.has_local_layers else None
+        platform = target_platform()
+        mask, local_mask = (m if m is None or choose(self.config.attention, m, self.config.attention_block, platform)
+                            != "dense" else m.with_whole() for m in (mask, local_mask))
         inv_freq = rope_inverse_frequencies(self.config)
         local_inv_freq = rope_inverse_frequencies(self.config, local=True)
         moe_index = {layer: j for j, layer in enumerate(self.config.moe_layers)}
