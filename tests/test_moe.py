@@ -4,8 +4,10 @@ token as the actor did, even where its own router would pick otherwise; a tiny M
 its behaviour log-probs matching the learner's at staleness 0. Logits against transformers: test_hf.py."""
 
 import dataclasses
+import functools
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_jax.algorithm.batch import pack_batch, pack_sequences
 from grpo_jax.algorithm.learner import batch_logprobs
 from grpo_jax.config_io import ConfigError
+from grpo_jax.model.experts import dense_experts, grouped_matmul, local_experts, ragged_experts
 from grpo_jax.model.hf import checkpoint_config
 from grpo_jax.model.transformer import (
     ModelConfig,
-    _dense_experts,
-    _ragged_experts,
     abstract_model,
     count_params,
     create_model,
@@ -53,8 +54,10 @@ def numpy_experts(rows, experts, weights, gate, up, down):
     return out
 
 
+@pytest.mark.parametrize("impl", ["ragged", "megablox"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype):
+def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype, impl):
+    """impl megablox: the expert weights' gradient from megablox's tgmm kernel (in Pallas's interpreter here)."""
     rng = np.random.default_rng(0)
     n, e, m, x, k = 37, 16, 8, 6, 3
     rows, gate, up, down = (rng.normal(size=s).astype(np.float32) for s in ((n, e), (x, e, m), (x, e, m), (x, m, e)))
@@ -62,8 +65,9 @@ def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype):
     experts[:5] = [0, 1, 2]  # the last expert (5) is chosen by no token
     weights = rng.random((n, k)).astype(np.float32)
     args = [jnp.asarray(a, dtype) for a in (rows, gate, up, down)]
-    ragged = _ragged_experts(args[0], experts, jnp.asarray(weights, dtype), *args[1:])
-    dense = _dense_experts(args[0], experts, jnp.asarray(weights, dtype), *args[1:])
+    dispatch = functools.partial(ragged_experts, impl=impl)
+    ragged = dispatch(args[0], experts, jnp.asarray(weights, dtype), *args[1:])
+    dense = dense_experts(args[0], experts, jnp.asarray(weights, dtype), *args[1:])
     want = numpy_experts(rows, experts, weights, gate, up, down)
     # float32 rounding, or bfloat16's (8 bits: a few hundredths of the values' scale)
     tolerance = (1e-5 if dtype == jnp.float32 else 3e-2) * np.abs(want).max()
@@ -76,12 +80,102 @@ def test_ragged_dispatch_equals_numpy_and_dense_in_values_and_gradients(dtype):
         return jnp.sum(dispatch(rows, experts, weights, gate, up, down).astype(jnp.float32) * cotangent)
 
     grads = [jax.grad(loss, argnums=(1, 2, 3, 4, 5))(d, args[0], jnp.asarray(weights, dtype), *args[1:])
-             for d in (_ragged_experts, _dense_experts)]
+             for d in (dispatch, dense_experts)]
     for a, b in zip(*grads):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         scale = 1e-5 if dtype == jnp.float32 else 3e-2
         np.testing.assert_allclose(a, b, rtol=0, atol=scale * np.abs(b).max())
     assert np.all(np.asarray(grads[0][2][5]) == 0)  # the unused expert gets no gradient
+
+
+@pytest.mark.parametrize("m, sizes", [(37, (10, 0, 20, 7)), (300, (0, 130, 90, 80))])
+def test_the_megablox_weight_gradient_equals_ragged_dots_own(m, sizes):
+    """Groups of rows times their group's matrix: values and both gradients of the megablox path (tgmm in Pallas's
+    interpreter, its rows padded to a tile) equal ragged_dot's, with an empty group and rows past the groups."""
+    rng = np.random.default_rng(m)
+    lhs = jnp.asarray(rng.normal(size=(m + 5, 24)), jnp.float32)  # 5 rows in no group
+    rhs = jnp.asarray(rng.normal(size=(4, 24, 40)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    assert int(group_sizes.sum()) == m
+    cotangent = jnp.asarray(rng.normal(size=(m + 5, 40)), jnp.float32)
+
+    def loss(impl, lhs, rhs):
+        return jnp.sum(grouped_matmul(lhs, rhs, group_sizes, impl) * cotangent)
+
+    (want, want_grads), (got, got_grads) = (jax.value_and_grad(loss, argnums=(1, 2))(impl, lhs, rhs)
+                                            for impl in ("ragged", "megablox"))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    assert np.all(np.asarray(got_grads[1][np.asarray(group_sizes) == 0]) == 0)
+    assert np.all(np.asarray(got_grads[0][m:]) == 0)
+
+
+def test_on_tpu_the_experts_cost_the_flops_of_the_chosen_pairs_forward_and_backward():
+    """Compiled for a v5e chip: with megablox the expert layer's forward and backward do the useful FLOPs (9
+    matmuls of the routed pairs: 3 forward, 3 for the rows, 3 for the weights); with ragged_dot's own gradient the
+    weights' 3 run dense over all 16 experts (x16), 6x in all."""
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.hlo_cost import program_cost
+    from grpo_jax.planning.topology import tpu_topology
+
+    with without_jax_cache():
+        devices = tpu_topology("v5e:2x2").devices
+    chip = NamedSharding(jax.sharding.Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    n, e, m, x, k = 1024, 512, 256, 16, 2
+    shapes = [((n, e), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.bfloat16), ((x, e, m), jnp.bfloat16),
+              ((x, e, m), jnp.bfloat16), ((x, m, e), jnp.bfloat16)]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=chip) for shape, dtype in shapes]
+    useful = 9 * 2 * n * k * e * m
+
+    def flops(impl):
+        def loss(*args):
+            with jax.sharding.use_abstract_mesh(chip.mesh.abstract_mesh):
+                return ragged_experts(*args, impl).astype(jnp.float32).sum()
+        with without_jax_cache():
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5))).lower(*args).compile()
+        return program_cost(compiled.as_text()).flops
+
+    assert flops("megablox") == pytest.approx(useful, rel=0.02)
+    assert flops("ragged") == pytest.approx(6 * useful, rel=0.02)
+
+
+def test_each_device_routes_and_computes_only_its_own_rows():
+    """Rows split over fsdp 4, each expert's hidden units over tensor 2: the layer's values and gradients equal the
+    single-device dispatch's, and the only all-gathers in its compiled program are of expert weights (FSDP's
+    gather); no device receives another's rows or routing."""
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), jax.devices()[:8])
+    rng = np.random.default_rng(1)
+    n, e, m, x, k = 64, 16, 8, 8, 2
+    rows = rng.normal(size=(n, e)).astype(np.float32)
+    gate, up = (rng.normal(size=(x, e, m)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(x, m, e)).astype(np.float32)
+    experts = np.stack([rng.choice(x, k, replace=False) for _ in range(n)]).astype(np.int32)
+    weights = rng.random((n, k)).astype(np.float32)
+    cotangent = rng.normal(size=(n, e)).astype(np.float32)
+
+    def loss(dispatch, rows, weights, gate, up, down):
+        return jnp.sum(dispatch(rows, experts, weights, gate, up, down) * cotangent)
+
+    def on_mesh(rows, weights, gate, up, down):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))(local_experts, rows, weights, gate, up, down)
+
+    put = [NamedSharding(mesh, spec) for spec in (PartitionSpec(("data", "fsdp")), PartitionSpec(("data", "fsdp")),
+                                                  PartitionSpec("fsdp", None, "tensor"),
+                                                  PartitionSpec("fsdp", None, "tensor"),
+                                                  PartitionSpec("fsdp", "tensor", None))]
+    args = (rows, weights, gate, up, down)
+    program = jax.jit(on_mesh)
+    value, grads = program(*(jax.device_put(a, s) for a, s in zip(args, put)))
+    want, want_grads = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))(ragged_experts, *args)
+    assert float(value) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    text = program.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(args, put))
+                         ).compile().as_text()
+    gathered = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather\(", text)
+    assert gathered and all(dtype == "f32" and dims in ("8,16,4", "8,4,16") for dtype, dims in gathered), gathered
 
 
 def test_expert_parallelism_computes_what_every_device_holding_every_expert_computes():

@@ -114,3 +114,27 @@ def test_the_scanned_step_compiles_one_layer_body():
 
     unrolled, scanned = dots(False), dots(True)
     assert scanned < unrolled / 3, (scanned, unrolled)
+
+
+def test_auto_scans_the_programs_compiled_for_tpu_and_loops_on_cpu():
+    """scan_layers=auto: the compile command traces for a TPU topology on this CPU and gets the scan; the trainer's
+    CPU programs get the loop (XLA's CPU client deadlocks when a scanned step's collectives run beside the
+    actor's). true and false are obeyed everywhere."""
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.topology import tpu_topology
+
+    assert MODEL.scan_layers == "auto"
+    assert [MODEL.scans_layers(p) for p in ("cpu", "tpu", "gpu")] == [False, True, True]
+    assert dataclasses.replace(MODEL, scan_layers=True).scans_layers("cpu")
+    assert not dataclasses.replace(MODEL, scan_layers=False).scans_layers("tpu")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: create_model(MODEL, seed=0)))
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+
+    def forward_program() -> str:
+        return str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+
+    assert "scan[" not in forward_program()
+    with without_jax_cache():
+        devices = tpu_topology("v5e:2x2").devices
+    with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array(devices), ("x",)).abstract_mesh):
+        assert "scan[" in forward_program()

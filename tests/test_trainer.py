@@ -10,7 +10,7 @@ import pytest
 from grpo_jax.config_io import ConfigError, load_config
 from grpo_jax.run.config import Config
 from grpo_jax.run.metrics import REQUIRED_KEYS
-from grpo_jax.run.trainer import Trainer, TrainerError
+from grpo_jax.run.trainer import Trainer, TrainerError, plan_run
 from grpo_jax.state.ledger import audit
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -89,6 +89,19 @@ def test_a_batch_that_does_not_split_over_the_learner_devices_is_refused(tmp_pat
     with pytest.raises(ConfigError, match=r"mesh.learner: the batch is split 8 ways \(data x fsdp\); its 12 rows "
                                           r"\(prompts_per_step x group_size\) must split evenly"):
         Trainer(config)
+
+
+def test_scanned_layers_beside_a_several_device_actor_are_refused_on_cpu(tmp_path):
+    """XLA's CPU client deadlocks (and aborts after 40 s) when a scanned learner step and the actor's program stop
+    at collectives over the same 8 devices at once: refused before anything starts, in one line naming the key;
+    with one actor device the scan runs."""
+    config = tiny_config(tmp_path / "shared", "model.scan_layers=true", "mesh.learner.fsdp=8", "mesh.actor.fsdp=8")
+    with pytest.raises(ConfigError, match=r"^model.scan_layers=true: on the CPU backend .* \(here 8 and 8\)") as info:
+        Trainer(config)
+    assert "\n" not in str(info.value)
+    plan = plan_run(tiny_config(tmp_path / "apart", "model.scan_layers=true", "mesh.actor_devices=1",
+                                "grpo.prompts_per_step=7"))
+    assert plan.model.scans_layers(jax.default_backend())
 
 
 def test_synchronous_run_on_shared_devices_is_on_policy(tmp_path):

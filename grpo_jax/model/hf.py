@@ -63,7 +63,7 @@ _FLOAT_DTYPES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64
 # The ModelConfig fields a run chooses for a loaded checkpoint (the trainer's `model` section with model_path);
 # every other field is architecture and comes from the checkpoint's config.json.
 RUN_SETTINGS = ("dtype", "param_dtype", "remat", "remat_policy", "scan_layers", "attention", "attention_block",
-                "moe_dispatch", "routing_replay", "expert_parallel")
+                "moe_dispatch", "moe_matmul", "routing_replay", "expert_parallel")
 
 
 # ---- config -------------------------------------------------------------------------------------------

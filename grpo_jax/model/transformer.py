@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,14 @@ from jax.sharding import PartitionSpec
 
 from grpo_jax.config_io import config_key
 from grpo_jax.model.attention import ATTENTION_IMPLS, AttentionMask, attend, causal_mask, choose, target_platform
+from grpo_jax.model.experts import (
+    MOE_MATMULS,
+    dense_experts,
+    expert_parallel,
+    expert_parallel_axis,
+    local_experts,
+    matmul_impl,
+)
 from grpo_jax.parallel.sharding import constrain, constrain_rows
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -75,10 +83,13 @@ class ModelConfig:
                                                        "backward: nothing_saveable (only the layer's input), "
                                                        "dots_with_no_batch_dims_saveable (also the matmuls against "
                                                        "weights), dots_saveable (every matmul's output).")
-    scan_layers: bool = config_key(True, "Without a KV cache (the learner's passes), run the layers as a lax.scan "
-                                         "over their repeating block (every layer, or Gemma 3's 5 local + 1 "
-                                         "global): one compiled body instead of one per layer, the same numbers. "
-                                         "false: a Python loop over the layers.")
+    scan_layers: bool | Literal["auto"] = config_key(
+        "auto", "Without a KV cache (the learner's passes), run the layers as a lax.scan over their repeating block "
+                "(every layer, or Gemma 3's 5 local + 1 global): one compiled body instead of one per layer, the "
+                "same numbers. false: a Python loop over the layers. auto: scanned where the program is compiled "
+                "for TPU or GPU (the compile command's too), a loop on CPU, whose compile times are short and whose "
+                "client starves its threads when a scanned step's collectives run beside the actor's (the trainer "
+                "refuses true there).")
     attention: str = config_key("auto", "How attention's softmax is computed (model.attention module): dense (the "
                                         "[T, S] scores whole), blockwise (online softmax over blocks of keys, "
                                         "memory linear in the sequence), splash (TPU's Pallas kernel; self-"
@@ -112,6 +123,12 @@ class ModelConfig:
                                              "jax.lax.ragged_dot (no capacity, no token dropped, FLOPs of the chosen "
                                              "experts only); dense: every expert on every token, weighted by a "
                                              "mostly-zero matrix (the reference the tests hold the ragged path to).")
+    moe_matmul: str = config_key("auto", "The ragged dispatch's grouped matmuls (model.experts): ragged "
+                                         "(jax.lax.ragged_dot and its own gradient, whose gradient for the expert "
+                                         "weights XLA compiles on TPU to a dense product, num_experts times the "
+                                         "work); megablox (ragged_dot forward, the weights' gradient from megablox's "
+                                         "tgmm Pallas kernel; off TPU in Pallas's interpreter, slowly); auto: "
+                                         "megablox on TPU, ragged elsewhere.")
     # Without routing replay a near tie decided otherwise by the two numerically different passes trains a token
     # through experts that did not sample it.
     routing_replay: bool = config_key(True, "Routing replay: the actor records the experts each token went to and "
@@ -183,6 +200,10 @@ class ModelConfig:
         kind = [(self.is_local(i), self.is_moe(i)) for i in range(self.num_layers)]
         return next(p for p in range(1, self.num_layers + 1)
                     if all(kind[i] == kind[i % p] for i in range(self.num_layers)))
+
+    def scans_layers(self, platform: str) -> bool:
+        """Whether the learner's passes scan the layers in a program compiled for `platform` (scan_layers)."""
+        return platform != "cpu" if self.scan_layers == "auto" else self.scan_layers
 
     @property
     def has_local_layers(self) -> bool:
@@ -257,6 +278,8 @@ class ModelConfig:
             problems.append(f"attention={self.attention!r}: allowed {list(ATTENTION_IMPLS)}")
         if self.attention_block < 8 or self.attention_block & (self.attention_block - 1):
             problems.append(f"attention_block={self.attention_block}: a power of two, at least 8 (512 is usual)")
+        if self.moe_matmul not in MOE_MATMULS:
+            problems.append(f"moe_matmul={self.moe_matmul!r}: allowed {list(MOE_MATMULS)}")
         if self.moe_dispatch not in MOE_DISPATCH:
             problems.append(f"moe_dispatch={self.moe_dispatch!r}: allowed {list(MOE_DISPATCH)}")
         for key in ("rope_local_theta", "query_pre_attn_scalar"):
@@ -455,6 +478,7 @@ class MoE(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.dispatch = config.moe_dispatch
+        self.matmul = config.moe_matmul
         self.expert_parallel = config.expert_parallel
 
     @jax.named_scope("experts")
@@ -476,76 +500,14 @@ class MoE(nnx.Module):
         weights = weights.astype(dtype)
         gate, up, down = (w[...].astype(dtype) for w in (self.gate, self.up, self.down))
         axis = expert_parallel_axis(gate.shape[0]) if self.expert_parallel else None
+        impl = matmul_impl(self.matmul, target_platform())
         if self.dispatch == "dense":
-            out = _dense_experts(rows, experts, weights, gate, up, down)
-        elif axis is not None:  # tokens padded to split evenly over the axis; a padding token has weight 0
-            pad = -rows.shape[0] % jax.sharding.get_abstract_mesh().shape[axis]
-            widen = functools.partial(jnp.pad, pad_width=((0, pad), (0, 0)))
-            out = _expert_parallel(widen(rows), widen(experts), widen(weights), gate, up, down, axis)[:rows.shape[0]]
+            out = dense_experts(rows, experts, weights, gate, up, down)
+        elif axis is not None:
+            out = expert_parallel(rows, experts, weights, gate, up, down, axis, impl)
         else:
-            out = _ragged_experts(rows, experts, weights, gate, up, down)
+            out = local_experts(rows, experts, weights, gate, up, down, impl)
         return out.reshape(x.shape), experts.reshape(*x.shape[:2], self.top_k)
-
-
-def _dense_experts(rows, experts, weights, gate, up, down):
-    """Every expert on every row, combined by a [N, X] matrix that is zero off the chosen experts: the reference
-    (num_experts / k times the FLOPs of the chosen experts)."""
-    combine = jnp.zeros((rows.shape[0], gate.shape[0]), weights.dtype)
-    combine = combine.at[jnp.arange(rows.shape[0])[:, None], experts].add(weights)
-    hidden = jax.nn.silu(jnp.einsum("ne,xem->nxm", rows, gate)) * jnp.einsum("ne,xem->nxm", rows, up)
-    return jnp.einsum("nxm,xme,nx->ne", hidden, down, combine)
-
-
-def _ragged_experts(rows, experts, weights, gate, up, down):
-    """Capacity-free dispatch: the N x k (row, expert) pairs sorted by expert, each expert's run of rows one group
-    of jax.lax.ragged_dot (grouped matmul), then each output scaled by its weight and added back to its row.
-    No token is dropped and no padding computed: FLOPs and activations of the chosen experts only. An expert id
-    past the last of `gate` (expert parallelism: another device's expert) sorts after every group, where ragged_dot
-    gives zeros."""
-    n, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    source = order // k  # the row of each sorted pair
-    group_sizes = jnp.bincount(flat, length=gate.shape[0] + 1)[:-1].astype(jnp.int32)
-    sorted_rows = rows[source]
-    hidden = (jax.nn.silu(jax.lax.ragged_dot(sorted_rows, gate, group_sizes))
-              * jax.lax.ragged_dot(sorted_rows, up, group_sizes))
-    out = jax.lax.ragged_dot(hidden, down, group_sizes) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(rows).at[source].add(out)
-
-
-EXPERT_AXIS = "fsdp"  # the mesh axis that splits the experts (parallel.sharding's rule for `expert`)
-
-
-def expert_parallel_axis(num_experts: int) -> str | None:
-    """The mesh axis expert parallelism splits the experts over, from the mesh of the program being traced
-    (jax.sharding.use_abstract_mesh: learner.jit_train_step sets it), or None where there is none to split over."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return None
-    size = mesh.shape[EXPERT_AXIS]
-    return EXPERT_AXIS if size > 1 and num_experts % size == 0 else None
-
-
-def _expert_parallel(rows, experts, weights, gate, up, down, axis: str):
-    """Expert parallelism over mesh axis `axis`: each device holds num_experts / D experts and the rows of 1/D of
-    the tokens. It gathers every token of its group (rows, experts, weights), runs its own experts on the pairs
-    routed to them (ragged, capacity-free; the others' pairs fall outside its groups), and the partial outputs
-    are summed and scattered back to the tokens' devices. Per device: the FLOPs of 1/D of the pairs, its own
-    experts' weights only (never gathered), an all-gather of the tokens and a reduce-scatter of the outputs."""
-    def local(rows, experts, weights, gate, up, down):
-        everyone = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
-        rows_all, experts_all, weights_all = everyone(rows), everyone(experts), everyone(weights)
-        held = gate.shape[0]
-        local_ids = experts_all - jax.lax.axis_index(axis) * held
-        mine = (local_ids >= 0) & (local_ids < held)
-        out = _ragged_experts(rows_all, jnp.where(mine, local_ids, held), jnp.where(mine, weights_all, 0), gate, up,
-                              down)
-        return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
-
-    split = jax.sharding.PartitionSpec(axis)
-    return jax.shard_map(local, in_specs=(split,) * 6, out_specs=split, axis_names={axis}, check_vma=False)(
-        rows, experts, weights, gate, up, down)
 
 
 class Block(nnx.Module):
@@ -690,8 +652,8 @@ class Transformer(nnx.Module):
             return jax.checkpoint(block, policy=policy)(block_state, layer_key, layer_routing, *args)
 
         period = self.config.layer_period()
-        scanned = (self.config.num_layers // period) * period if cache is None and self.config.scan_layers and \
-            period < self.config.num_layers else 0
+        scans = cache is None and period < self.config.num_layers and self.config.scans_layers(target_platform())
+        scanned = (self.config.num_layers // period) * period if scans else 0
         used: list = [None] * self.config.num_layers
         if scanned:
             x, experts = self._scan_layers(x, scanned, period, layer_inputs, run_layer)

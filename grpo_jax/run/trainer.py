@@ -140,6 +140,14 @@ def plan_run(config: Config) -> RunPlan:
             "XLA's CPU client deadlocks when the actor's and the learner's programs, each over several devices "
             "of every process, run at once (a limit of the CPU client). Use mesh.actor_devices=1, or one learner "
             "device per process")
+    if jax.default_backend() == "cpu" and plan.model.scan_layers is True and min(per_host) > 1:
+        # Seen in one process with 8 devices shared: the step's while loop and the actor's program each stop at a
+        # collective that 7 of 8 devices reached, and XLA aborts after 40 s.
+        raise ConfigError(
+            f"model.scan_layers=true: on the CPU backend the learner's layers can be scanned only when the actor or "
+            f"the learner has one device per process (here {per_host[0]} and {per_host[1]}): XLA's CPU client "
+            "starves its threads when a scanned step's collectives run beside the actor's. Use "
+            "model.scan_layers=auto (a loop on CPU, scanned on TPU and GPU) or mesh.actor_devices=1")
     return plan
 
 
