@@ -107,6 +107,29 @@ def test_splash_attention_equals_the_dense_path_in_values_and_gradients(window):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
 
 
+def test_splash_on_a_mesh_splits_rows_and_heads_even_where_the_rows_do_not_divide():
+    """Under a mesh (fsdp 4 x tensor 2) the kernel runs in a shard_map (XLA cannot partition a Pallas kernel): 2
+    rows padded to split over 4 devices, the 2 key/value heads over tensor; the real rows' values and gradients
+    are the dense path's."""
+    from grpo_jax.parallel.sharding import MeshConfig, make_mesh
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), jax.devices()[:8])
+    rng = np.random.default_rng(7)
+    length = 130
+    q = rng.normal(size=(2, 2, 2, length, 128)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 2, length, 128)).astype(np.float32) for _ in range(2))
+    segments = np.sort(rng.integers(0, 3, size=(2, length)), axis=1)
+    key_mask = jnp.asarray(np.arange(length)[None] < np.array([[120], [130]]))
+    mask = attention.causal_mask(key_mask, length, 0, jnp.asarray(segments))
+    seen = np.broadcast_to(np.asarray(key_mask)[:, None, None], q.shape[:-1])
+    dense_out, dense_grads = values_and_grads(q, k, v, mask, "dense", seen)
+    on_mesh = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())) for a in (q, k, v)]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        out, grads = values_and_grads(*on_mesh, mask, "splash", seen, block=128, interpret=True)
+    np.testing.assert_allclose(out[seen], dense_out[seen], atol=1e-5)
+    for got, want in zip(grads, dense_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("length,block,window", [(1024, 256, 0), (1024, 256, 300), (2048, 128, 129), (512, 512, 0)])
 def test_the_blocks_counted_for_splash_are_those_its_mask_computes(length, block, window):
     """causal_blocks (what the compile command costs splash by) against splash's own block mask."""
@@ -185,3 +208,26 @@ def test_admission_prefills_with_blockwise_attention_as_with_dense():
         results.append(Engine(model, (), 0, config).generate(prompts, 0))
     np.testing.assert_array_equal(results[0].tokens, results[1].tokens)
     np.testing.assert_allclose(results[0].logprobs, results[1].logprobs, atol=1e-5)
+
+
+def test_splash_compiles_for_tpu_chips_that_outnumber_the_rows():
+    """2 rows on 4 v5e chips (fsdp): the kernel is still wrapped in a shard_map (XLA refuses to partition a Pallas
+    kernel: "Mosaic kernels cannot be automatically partitioned"), the rows padded to split."""
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.topology import tpu_topology
+
+    with without_jax_cache():
+        devices = tpu_topology("v5e:2x2").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+            for shape in ((2, 2, 2, 256, 128), (2, 2, 256, 128), (2, 2, 256, 128))]
+
+    def loss(q, k, v):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            mask = attention.causal_mask(jnp.ones((2, 256), bool), 256)
+            return attention.attend(q, k, v, mask, 0.1, impl="splash", block=128).astype(jnp.float32).sum()
+
+    with without_jax_cache():
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()

@@ -95,6 +95,26 @@ def test_a_kernel_costs_the_estimate_it_states(tpu_devices):
     assert cost.flops == pytest.approx(_xla_cost(compiled)[0], rel=1e-3)
 
 
+def test_a_kernel_in_a_loop_costs_its_estimate_once_per_trip(tpu_devices):
+    """The scanned layers' kernels (megablox's tgmm for the expert weights' gradient): each trip of the loop
+    counts the kernel's stated FLOPs, where XLA's cost analysis counts the body once."""
+    from grpo_jax.model.experts import tgmm
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(tpu_devices[:1]), ("x",)), PartitionSpec())
+    args = (jax.ShapeDtypeStruct((STEPS, 512, 256), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((512, 384), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=sharding))
+
+    def looped(lhs, grad, sizes):
+        def body(total, x):
+            return total + tgmm(x, grad, sizes).sum(), None
+        return jax.lax.scan(body, jnp.float32(0), lhs)[0]
+
+    compiled = _compile(looped, args)
+    kernels = [part for (_, kind), part in program_cost(compiled.as_text()).parts.items() if kind == "kernel"]
+    assert sum(part.flops for part in kernels) == pytest.approx(STEPS * 2 * 512 * 256 * 384, rel=0.01)
+    assert _xla_cost(compiled)[0] == pytest.approx(2 * 512 * 256 * 384, rel=0.05)
+
+
 @pytest.mark.parametrize("window", [0, 300])
 def test_splash_attention_costs_the_matmuls_of_the_blocks_it_computes(tpu_devices, window):
     """Splash states no estimate: its forward, dq and dkv kernels cost 2, 3 and 4 matmuls of the query x key blocks

@@ -268,3 +268,28 @@ def test_an_agreement_whose_peer_died_fails_at_once_in_one_line_naming_it(tmp_pa
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_moe_model_trains_on_two_processes_each_routing_its_own_rows(tmp_path):
+    """Qwen3-MoE on 2 processes (learner fsdp over both hosts' 2 devices: each device routes and computes its own
+    rows, the experts' weights gathered): at staleness 0 the learner's log-probs of each process's rows equal its
+    engine's (importance weights 1), which routing replayed to the wrong rows would break; every process held the
+    same weights after every step, and nothing is lost or trained twice."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    moe = ("model.architecture=qwen3_moe", "model.head_dim=16", "model.qkv_bias=false", "model.num_layers=2",
+           "model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
+           "model.mlp_only_layers=[1]", "grpo.max_staleness=0", "loss.off_policy=tis", "optim.warmup_steps=0",
+           "optim.lr=1e-2", "trainer.max_steps=3")
+    procs = start_all(run_dir, 2, 4, 2, moe)
+    assert exit_codes(procs, 400) == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
+    audit = subprocess.run([sys.executable, "-m", "grpo_jax.cli", "audit", str(run_dir)], capture_output=True,
+                           text=True)
+    assert audit.returncode == 0 and "lost:                 0" in audit.stdout, audit.stdout + audit.stderr
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("kind") != "eval"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert abs(row["tis/weight_max"] - 1) < 1e-4 and row["tis/mismatch_kl"] < 1e-8, row
+        assert len(set(row["replica_digests"])) == 1, row["step"]
+    config_json = json.loads((run_dir / "final_model" / "config.json").read_text())
+    assert config_json["architectures"] == ["Qwen3MoeForCausalLM"]

@@ -256,7 +256,7 @@ def splash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = 51
     sizes = kernels.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     mesh = jax.sharding.get_abstract_mesh()
-    rows_axes, heads_axis = _splash_axes(mesh, b, kv)
+    rows_axes, heads_axis = _splash_axes(mesh, kv)
     head_shards = 1 if heads_axis is None else mesh.shape[heads_axis]
     kernel = kernels.make_splash_mha(masks.MultiHeadMask([rule] * (kv * g // head_shards)), block_sizes=sizes,
                                      head_shards=1, q_seq_shards=1, interpret=interpret)
@@ -268,12 +268,17 @@ def splash_attention(q, k, v, mask: AttentionMask, scale: float, block: int = 51
         ids = kernels.SegmentIds(q=segments, kv=segments)
         return jax.vmap(kernel)(heads, k, v, ids)
 
-    if mesh.empty or (rows_axes is None and heads_axis is None):
+    if mesh.empty or mesh.size == 1:
         out = run(heads, k, v, segments)
-    else:
+    else:  # a Pallas kernel cannot be partitioned by XLA: every multi-device program needs the shard_map
+        # Rows padded to split evenly (a micro-batch of fewer rows than devices): a padding row's slots are
+        # segment 0, seen by no real query, and its output is dropped.
+        extra = -b % math.prod(mesh.shape[a] for a in rows_axes or ())
+        heads, k, v = (jnp.pad(a, ((0, extra), (0, 0), (0, 0), (0, 0))) for a in (heads, k, v))
+        segments = jnp.pad(segments, ((0, extra), (0, 0)))
         qkv_spec = PartitionSpec(rows_axes, heads_axis)
         out = jax.shard_map(run, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(rows_axes)),
-                            out_specs=qkv_spec, check_vma=False)(heads, k, v, segments)
+                            out_specs=qkv_spec, check_vma=False)(heads, k, v, segments)[:b]
     return out[:, :, :t].reshape(b, kv, g, t, d)
 
 
@@ -288,13 +293,13 @@ def causal_blocks(length: int, block: int, window: int = 0) -> int:
     return int(seen.sum())
 
 
-def _splash_axes(mesh, rows: int, kv_heads: int) -> tuple[tuple[str, ...] | None, str | None]:
-    """The mesh axes splash's shard_map splits rows over (data x fsdp, as the activations are) and heads over
-    (tensor), each only where it divides; an axis not named keeps the whole operand on every device."""
+def _splash_axes(mesh, kv_heads: int) -> tuple[tuple[str, ...] | None, str | None]:
+    """The mesh axes splash's shard_map splits rows over (data x fsdp, as the activations are; the rows are padded
+    to divide) and heads over (tensor, where the key/value heads divide); an axis not named keeps the whole
+    operand on every device."""
     if mesh.empty:
         return None, None
-    axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
-    rows_axes = axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else None
+    rows_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1) or None
     tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
     heads_axis = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
     return rows_axes, heads_axis

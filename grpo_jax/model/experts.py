@@ -121,6 +121,12 @@ def _axes_of(mesh, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
+def _hidden_axis(mesh, hidden_units: int) -> str | None:
+    """The axis each expert's hidden units split over inside the shard_map, where it divides them."""
+    return next(iter(_axes_of(mesh, (HIDDEN_AXIS,))), None) if hidden_units % mesh.shape.get(HIDDEN_AXIS, 1) == 0 \
+        else None
+
+
 def _padded(rows, experts, weights, splits: int, no_expert: int):
     """The rows padded to split evenly `splits` ways; a padding row goes to no expert, with weight 0."""
     pad = -rows.shape[0] % splits
@@ -128,30 +134,29 @@ def _padded(rows, experts, weights, splits: int, no_expert: int):
     return widen(rows), jnp.pad(experts, ((0, pad), (0, 0)), constant_values=no_expert), widen(weights)
 
 
+def _weight_specs(expert_axis: str | None, hidden: str | None) -> tuple[PartitionSpec, ...]:
+    return (PartitionSpec(expert_axis, None, hidden), PartitionSpec(expert_axis, None, hidden),
+            PartitionSpec(expert_axis, hidden, None))
+
+
 def local_experts(rows, experts, weights, gate, up, down, impl: str = "ragged"):
-    """ragged_experts with each device's own rows (module docstring); the plain call where no mesh splits rows or
-    hidden units."""
+    """ragged_experts with each device's own rows (module docstring). Every multi-device program runs it under
+    the shard_map, whose axes are all manual: a Pallas kernel (megablox) cannot be partitioned by XLA."""
     mesh = jax.sharding.get_abstract_mesh()
-    row_axes = () if mesh.empty else _axes_of(mesh, ROW_AXES)
-    hidden_axes = () if mesh.empty else _axes_of(mesh, (HIDDEN_AXIS,))
-    if hidden_axes and gate.shape[2] % mesh.shape[HIDDEN_AXIS]:
-        hidden_axes = ()
-    if not row_axes and not hidden_axes:
+    if mesh.empty or mesh.size == 1:
         return ragged_experts(rows, experts, weights, gate, up, down, impl)
     n = rows.shape[0]
+    row_axes, hidden = _axes_of(mesh, ROW_AXES), _hidden_axis(mesh, gate.shape[2])
     rows, experts, weights = _padded(rows, experts, weights, math.prod(mesh.shape[a] for a in row_axes),
                                      gate.shape[0])
-    hidden = hidden_axes[0] if hidden_axes else None
 
     def local(rows, experts, weights, gate, up, down):
         out = ragged_experts(rows, experts, weights, gate, up, down, impl)
         return jax.lax.psum(out, hidden) if hidden else out
 
     split = PartitionSpec(row_axes or None)
-    weight_specs = (PartitionSpec(None, None, hidden), PartitionSpec(None, None, hidden),
-                    PartitionSpec(None, hidden, None))
-    return jax.shard_map(local, in_specs=(split,) * 3 + weight_specs, out_specs=split,
-                         axis_names=set(row_axes + hidden_axes), check_vma=False)(
+    return jax.shard_map(local, in_specs=(split,) * 3 + _weight_specs(None, hidden), out_specs=split,
+                         axis_names=set(mesh.axis_names), check_vma=False)(
         rows, experts, weights, gate, up, down)[:n]
 
 
@@ -171,9 +176,12 @@ def expert_parallel(rows, experts, weights, gate, up, down, axis: str, impl: str
     routed to them (ragged, capacity-free; the others' pairs fall outside its groups), and the partial outputs
     are summed and scattered back to the tokens' devices. Per device: the FLOPs of 1/D of the pairs, its own
     experts' weights only (never gathered), an all-gather of the tokens and a reduce-scatter of the outputs.
-    Rows are padded to split evenly over the axis (a padding row has weight 0)."""
+    Rows are padded to split evenly over the row axes (a padding row has weight 0); every axis is manual, as in
+    local_experts, each expert's hidden units split over tensor where they divide."""
+    mesh = jax.sharding.get_abstract_mesh()
     n = rows.shape[0]
-    rows, experts, weights = _padded(rows, experts, weights, jax.sharding.get_abstract_mesh().shape[axis],
+    row_axes, hidden = _axes_of(mesh, ROW_AXES), _hidden_axis(mesh, gate.shape[2])
+    rows, experts, weights = _padded(rows, experts, weights, math.prod(mesh.shape[a] for a in row_axes),
                                      gate.shape[0])
 
     def local(rows, experts, weights, gate, up, down):
@@ -184,8 +192,11 @@ def expert_parallel(rows, experts, weights, gate, up, down, axis: str, impl: str
         mine = (local_ids >= 0) & (local_ids < held)
         out = ragged_experts(rows_all, jnp.where(mine, local_ids, held), jnp.where(mine, weights_all, 0), gate, up,
                              down, impl)
+        if hidden:
+            out = jax.lax.psum(out, hidden)
         return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
 
-    split = PartitionSpec(axis)
-    return jax.shard_map(local, in_specs=(split,) * 6, out_specs=split, axis_names={axis}, check_vma=False)(
+    split = PartitionSpec(row_axes)
+    return jax.shard_map(local, in_specs=(split,) * 3 + _weight_specs(axis, hidden), out_specs=split,
+                         axis_names=set(mesh.axis_names), check_vma=False)(
         rows, experts, weights, gate, up, down)[:n]
