@@ -180,3 +180,36 @@ def test_the_check_finds_the_private_attributes_planning_used_to_read(tmp_path):
                     "        return other._own, self._chunk\n")
     assert sorted(private_uses(path, tmp_path)) == [f"planning/old_actor_programs.py: {use}" for use in
                                                     ("._chunk", "._generate", "._head", "import _bucket")]
+
+
+def test_on_tpu_chips_the_generators_programs_run_their_kernels_in_the_actors_layout():
+    """The generators trace their programs with the actor's mesh in context, as the learner's step is: compiled for
+    4 v5e chips (fsdp 2 x tensor 2), the engine's admission and the sampler's prefill run splash attention's kernel
+    (in a shard_map: XLA refuses to partition a Pallas kernel), where without the mesh they would take the dense
+    path and lay the rows out as the partitioner likes."""
+    from grpo_jax.model.transformer import ModelConfig, abstract_model
+    from grpo_jax.parallel.sharding import state_shardings
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.topology import tpu_topology
+
+    with without_jax_cache():
+        devices = tpu_topology("v5e:2x2").devices
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices)
+    config = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=128, dtype="bfloat16", param_dtype="bfloat16", attention_block=128)
+    graphdef, state = nnx.split(abstract_model(config))
+    state = jax.tree.map(lambda s, v: v.replace(jax.ShapeDtypeStruct(v.shape, v.get_value().dtype, sharding=s)),
+                         state_shardings(state, mesh), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    sampler_config = dataclasses.replace(CONFIG, max_prompt_len=256, min_prompt_bucket=256)
+    model = nnx.merge(graphdef, state)
+    engine, sampler = Engine(model, (1,), PAD, sampler_config), Sampler(model, (1,), PAD, sampler_config)
+    try:
+        work = Workload(samples=8, group_size=4, prompt_len=256, turns=1)
+        for generator, label in ((engine, "admission"), (sampler, "prefill")):
+            program = next(p for p in generator.programs(work) if label in p.label)
+            with without_jax_cache():
+                text = program.jitted.lower(*program.args, **program.kwargs).compile().as_text()
+            assert "tpu_custom_call" in text, program.label
+    finally:
+        engine.close()
+        sampler.close()

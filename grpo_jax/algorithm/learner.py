@@ -102,7 +102,7 @@ from grpo_jax.algorithm.sampling import tempered_logprobs
 from grpo_jax.errors import UserError
 from grpo_jax.model.lora import merge_adapters
 from grpo_jax.model.transformer import Transformer, positions_from_mask
-from grpo_jax.parallel.sharding import constrain_rows
+from grpo_jax.parallel.sharding import constrain_rows, traced_on
 
 
 @jax.tree_util.register_dataclass
@@ -471,13 +471,7 @@ def jit_train_step(step, params, opt_state):
 
     out = (jax.tree.map(current, params), jax.tree.map(current, opt_state), None, None)
     mesh = next((s.mesh for s in jax.tree.leaves(out[0]) if s is not None), None)
-    if mesh is not None:  # traced with the parameters' mesh in context: the activations' layout (constrain_rows)
-        inner = step      # and the experts' shard_map (expert_parallel)
-
-        def step(*args):
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return inner(*args)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
+    return jax.jit(traced_on(mesh, step), donate_argnums=(0, 1), out_shardings=out)
 
 
 class Learner:

@@ -10,6 +10,7 @@ a 4-way tensor axis are replicated while the 8 query heads are split.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -174,6 +175,21 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = 
         state = jax.tree.map(np.asarray, state)
     nnx.update(module, jax.device_put(state, shardings))
     return module
+
+
+def traced_on(mesh: Mesh | None, fn):
+    """fn traced with `mesh` as the abstract mesh in context, so that the model code that reads it (constrain,
+    the experts' and splash attention's shard_maps, the platform attention and the experts choose for) lays
+    itself out for that mesh; fn itself without a mesh. Every program that runs the model on a mesh is traced so:
+    the learner step, the engines' and the sampler's."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+    return traced
 
 
 def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:

@@ -48,6 +48,7 @@ from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.attention import AttentionMask, causal_mask
 from grpo_jax.model.transformer import rope_inverse_frequencies
+from grpo_jax.parallel.sharding import traced_on
 from grpo_jax.rollout.common import (
     GeneratorProgram,
     Sampling,
@@ -134,9 +135,10 @@ class ContinuationEngine:
                                              **{f: replicated for f in TurnState._fields if f != "cache"})
             out = {"out_shardings": (self.state_shardings, replicated, replicated, replicated)}
         self.num_compilations = 0
-        self._extend = jax.jit(self._extend_impl, static_argnames=("greedy", "top_k", "use_top_p"),
+        self._extend = jax.jit(traced_on(mesh, self._extend_impl), static_argnames=("greedy", "top_k", "use_top_p"),
                                donate_argnums=(3,), **out)
-        self._decode = jax.jit(self._decode_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
+        self._decode = jax.jit(traced_on(mesh, self._decode_impl),
+                               static_argnames=("steps", "greedy", "top_k", "use_top_p"),
                                donate_argnums=(3,), **out)
         self._compact = jax.jit(self._compact_impl, donate_argnums=(0,),
                                 **({} if mesh is None else {"out_shardings": self.state_shardings}))

@@ -60,6 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.attention import AttentionMask
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
+from grpo_jax.parallel.sharding import traced_on
 from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: also importable from here
     GeneratorProgram,
     GroupResult,
@@ -197,10 +198,11 @@ class Engine:
             admitted = {"out_shardings": (self.slot_shardings, whole, whole, *routed)}
             chunked = {"out_shardings": (self.slot_shardings, whole, whole, whole, *routed)}
         self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
-        self._admit = jax.jit(self._admit_impl, static_argnames=("greedy", "top_k", "use_top_p"),
+        self._admit = jax.jit(traced_on(mesh, self._admit_impl), static_argnames=("greedy", "top_k", "use_top_p"),
                               donate_argnums=DONATED_SLOT_STATE, **admitted)
         self._resize = jax.jit(self._resize_impl, **banked)
-        self._chunk = jax.jit(self._chunk_impl, static_argnames=("steps", "greedy", "top_k", "use_top_p"),
+        self._chunk = jax.jit(traced_on(mesh, self._chunk_impl),
+                              static_argnames=("steps", "greedy", "top_k", "use_top_p"),
                               donate_argnums=DONATED_SLOT_STATE, **chunked)
         self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)

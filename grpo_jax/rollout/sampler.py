@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.config_io import config_key
 from grpo_jax.model.transformer import DTYPES, positions_from_mask
+from grpo_jax.parallel.sharding import traced_on
 from grpo_jax.rollout.common import (  # SampleResult, cache_layout, weights_mesh, vocab_major_head: also from here
     GeneratorProgram,
     SampleResult,
@@ -151,13 +152,14 @@ class Sampler:
         self.adapter_graphdef, self.adapters = nnx.split(adapters) if adapters is not None else (None, None)
         self.version = int(version)
         self.num_compilations = 0  # traces of the generate program (each is one XLA compile)
-        self._generate = jax.jit(self._generate_impl, static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
         self._compiled: set = set()
         # An actor across hosts (see the module docstring): rows over data x fsdp, every result row fetched.
         leaf = jax.tree.leaves(self.state)[0]
         self.across_hosts = not leaf.sharding.is_fully_addressable
         self._mesh = leaf.sharding.mesh if self.across_hosts else None
         self._weights_mesh = weights_mesh(self.state)
+        self._generate = jax.jit(traced_on(self._weights_mesh, self._generate_impl),
+                                 static_argnames=("new_bucket", "greedy", "top_k", "use_top_p"))
         # The KV cache's heads for the weights' mesh (cache_layout): its layout inside the program is the compiler's.
         self.cache_heads = cache_layout(model.config, self._weights_mesh)[0]
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.config.decode_streams - 1, 1),
@@ -414,7 +416,7 @@ class Sampler:
         scalars = (sds((batch,), jnp.float32), sds((), jnp.float32), sds((), jnp.float32))
         programs.append(GeneratorProgram(
             name="sampler generate", label="sampler generate (the prefill alone, for its cost)",
-            jitted=jax.jit(prefill),
+            jitted=jax.jit(traced_on(mesh, prefill)),
             args=(state, head, sds((batch, plen), jnp.int32), sds((batch, plen), jnp.bool_), *scalars, adapters),
             shape=(batch, plen), cost_part=1))
         steps, weighted, start = 0, 0, 1
@@ -432,7 +434,7 @@ class Sampler:
         out = {} if mesh is None else {"out_shardings": ((whole, whole), cache_sharding)}
         programs.append(GeneratorProgram(
             name="sampler generate", label="sampler generate (one decode step alone, for its cost)",
-            jitted=jax.jit(decode, donate_argnums=(5,), **out),
+            jitted=jax.jit(traced_on(mesh, decode), donate_argnums=(5,), **out),
             args=(state, head, sds((batch, 1), jnp.int32), sds((batch, 1), jnp.int32), sds((batch, length), jnp.bool_),
                   cache, sds((), jnp.int32), *scalars, adapters),
             shape=(batch, length), donated=(5,), cost_part=steps))
