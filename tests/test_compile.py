@@ -315,6 +315,7 @@ PUBLISHED = {  # parameter counts of the public checkpoints
     # its vision encoder are not loaded).
     "Gemma-3-12B": 11.771e9,
     "Qwen3-30B-A3B": 30.53e9,  # 3.3B of them active per token (test_moe)
+    "Qwen3-235B-A22B": 235.09e9,  # 22.2B active
 }
 
 

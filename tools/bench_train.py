@@ -13,6 +13,15 @@ tokens/s, that the two first steps' losses agree, and a last line
 
 --mode mfu instead measures the throughput and MFU of one batch of padded rows, as below.
 
+--mode attention times one batch of long padded rows (--seq tokens; packed sequences inside a row attend alike)
+trained with model.attention=blockwise (online softmax over --attention-block keys, a custom VJP: no [T, S]
+scores kept) and with dense (the [T, S] scores whole), alternately in the same run; prints each compiled step's
+temporaries, that the two first steps' losses agree, and a last line
+`blockwise/dense: R x tokens/s (blockwise X, dense Y); temporaries A vs B`.
+
+    python tools/bench_train.py --mode attention --seq 4096 --batch 1 --hidden 256 --intermediate 768 \
+        --heads 4 --kv-heads 2
+
 Runs the real `Learner.step` (jitted, donated, AdamW with global-norm clipping, GRPO loss with TIS
 "tis", no KL, entropy metric on) on a synthetic batch of padded rows, and compares its model FLOP/s with
 the peak FLOP/s of a large float32 matmul measured in the same run on the same machine. Prints both,
@@ -81,6 +90,7 @@ for what the trainer gets; give flags as --xla-flags=--xla_...=... (with the `=`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -115,7 +125,8 @@ def parse_args(argv=None):
     b.add_argument("--ragged", action="store_true",
                    help="random prompt/completion lengths (padding is still computed; default: full rows)")
     k = p.add_argument_group("packing")
-    k.add_argument("--mode", default="packing", choices=["packing", "mfu"],
+    k.add_argument("--attention-block", type=int, default=512, help="attention: model.attention_block")
+    k.add_argument("--mode", default="packing", choices=["packing", "mfu", "attention"],
                    help="packing: packed vs padded rows on long-tailed lengths (default); mfu: throughput and MFU "
                         "of padded rows of the batch above")
     k.add_argument("--sequences", type=int, default=16, help="packing: sequences per step")
@@ -314,6 +325,44 @@ def compare_packing(args, config: ModelConfig, loss_config: LossConfig, optim_co
     return result
 
 
+def compare_attention(args, config: ModelConfig, loss_config: LossConfig, optim_config: OptimConfig) -> dict:
+    """Blockwise vs dense attention: learner throughput and temporaries on the same long rows (module docstring)."""
+    batch = synthetic_batch(config, args.batch, args.seq, args.prompt_frac, args.ragged, args.seed)
+    tokens = int(np.asarray(batch.input_mask).sum())  # real tokens, prompts and completions
+    learners, temporaries, first = {}, {}, {}
+    for impl in ("blockwise", "dense"):
+        model_config = dataclasses.replace(config, attention=impl, attention_block=args.attention_block)
+        learners[impl] = Learner(create_model(model_config, seed=args.seed), optim_config, loss_config)
+        t0 = time.perf_counter()
+        compiled = learners[impl].lowered_step(batch).compile()
+        temporaries[impl] = compiled.memory_analysis().temp_size_in_bytes
+        first[impl], _ = learners[impl].step(batch)
+        print(f"{impl}: compiled in {time.perf_counter() - t0:.1f} s, temporaries {temporaries[impl] / 2**20:.0f} "
+              f"MiB; first step loss {first[impl]['loss']:.6g}", flush=True)
+    times = {impl: [] for impl in learners}
+    for _ in range(args.steps):  # alternately, so that both see the same (shared, noisy) machine
+        for impl, learner in learners.items():
+            t0 = time.perf_counter()
+            learner.step(batch)
+            times[impl].append(time.perf_counter() - t0)
+    result = {"tokens": tokens, "temporaries": temporaries,
+              "loss_difference": abs(first["blockwise"]["loss"] - first["dense"]["loss"])}
+    for impl, walls in times.items():
+        step_s = statistics.median(walls)
+        result[f"{impl}_tokens_per_s"] = tokens / step_s
+        print(f"{impl}: step wall times (s) " + ", ".join(f"{t:.3f}" for t in walls) + f"; median {step_s:.3f}: "
+              f"{tokens / step_s:.0f} tokens/s", flush=True)
+    result["ratio"] = result["blockwise_tokens_per_s"] / result["dense_tokens_per_s"]
+    print(f"first steps' losses differ by {result['loss_difference']:.2g} (the same rows, the same model)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **result}, f, indent=1)
+    print(f"blockwise/dense: {result['ratio']:.2f}x tokens/s (blockwise {result['blockwise_tokens_per_s']:.0f}, "
+          f"dense {result['dense_tokens_per_s']:.0f}); temporaries {temporaries['blockwise'] / 2**20:.0f} MiB vs "
+          f"{temporaries['dense'] / 2**20:.0f} MiB")
+    return result
+
+
 def learner_memory(learner: Learner, compiled) -> dict[str, int]:
     """Bytes of the trained parameters, the frozen ones (LoRA's base; 0 without), the optimizer state, and
     the compiled step's temporaries (activations, gradients, XLA scratch: memory_analysis().temp)."""
@@ -411,6 +460,8 @@ def main(args) -> dict:
 
     if args.mode == "packing":
         return compare_packing(args, config, loss_config, optim_config)
+    if args.mode == "attention":
+        return compare_attention(args, config, loss_config, optim_config)
     measure_peak = PeakMatmul(args.peak_n, args.peak_repeats)
     print(f"peak: {args.peak_n}^3 float32 matmul {measure_peak()[0] / 1e9:.1f} GFLOP/s (first look)", flush=True)
 
