@@ -23,9 +23,15 @@ from grpo_jax.errors import CheckpointError, ConfigError
 from grpo_jax.model.hf import checkpoint_config, load_hf_model
 from grpo_jax.model.transformer import DTYPES, abstract_model
 from grpo_jax.planning.actor_programs import engine_setup
-from grpo_jax.planning.compile import PROGRESS_PREFIX, CompilerCrash, compile_run, without_jax_cache
+from grpo_jax.planning.compile import (
+    PROGRESS_PREFIX,
+    CompileFailure,
+    CompilerCrash,
+    compile_run,
+    without_jax_cache,
+)
 from grpo_jax.planning.compile_cache import CACHE_DIR_ENV
-from grpo_jax.planning.programs import ABORT_AT_ENV, compile_one
+from grpo_jax.planning.programs import ABORT_AT_ENV, RAISE_AT_ENV, compile_one
 from grpo_jax.planning.report import DoesNotFit, format_report, model_flops_per_step
 from grpo_jax.planning.topology import tpu_topology
 from grpo_jax.rollout.weight_sync import WeightSync, narrowed
@@ -490,6 +496,24 @@ def test_oversized_engine_slots_are_refused_in_one_line(capsys):
     assert errors[0].startswith("grpo-jax: error: does not fit on v5e:2x2: engine chunk ")
     assert "learner step" not in errors[0]
     assert "fewer sampler.slots (now 2097152" in errors[0]
+
+
+def test_an_exception_while_compiling_is_one_line_naming_the_program_and_the_log(capsys, monkeypatch):
+    """A program the code cannot trace or lower for a layout (a bug, e.g. a Pallas kernel outside a shard_map)
+    ends the compiling process on an exception: one error line naming the program and the exception, the whole
+    output kept in a file, exit 5; no traceback."""
+    monkeypatch.setenv(RAISE_AT_ENV, "learner step")
+    code = main(["compile", TINY, *ENGINE, "--topology", "v5e:2x2"])
+    assert code == CompileFailure.exit_code == 5
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("grpo-jax: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in captured.err, captured.err
+    assert errors[0].startswith("grpo-jax: error: learner step: compiling it failed with NotImplementedError: "
+                                f"{RAISE_AT_ENV}=learner step: raised for a test;")
+    log = pathlib.Path(errors[0].rsplit(" is in ", 1)[1])
+    assert "Traceback" in log.read_text()
+    log.unlink()
 
 
 def test_a_compiler_crash_is_one_line(capsys, monkeypatch):

@@ -26,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import pathlib
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +63,14 @@ from grpo_jax.run.plan import RunPlan, shard_bytes
 class CompilerCrash(UserError):
     """libtpu's compiler killed the compiling process (a signal, e.g. SIGABRT on a failed internal check): a
     compiler bug on this layout, not a memory verdict."""
+
+    exit_code = 5
+
+
+class CompileFailure(UserError):
+    """The compiling process ended on an exception while tracing, lowering or compiling a program: a bug (of
+    grpo_jax's, JAX's or the compiler's) on this config or layout, reported in one line with where the whole
+    output was kept."""
 
     exit_code = 5
 
@@ -118,8 +128,7 @@ def compile_run(config: Config, topology_name: str, chips_per_host: str = "", co
         text = (work / "output").read_text(errors="replace")
     if code < 0:
         raise CompilerCrash(crash_message(program, -code, text, peak))
-    raise RuntimeError(f"grpo-jax compile: the compiling process exited with code {code}"
-                       f"{' while compiling ' + program if program else ''}; its output:\n{text[-20000:]}")
+    raise CompileFailure(failure_message(program, code, text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +165,20 @@ def show_progress(events: list[ProgressEvent], shown: int, started: float, strea
                      f"host memory peak {size_text(e.peak_bytes)}iB\n")
     stream.flush()
     return len(events)
+
+
+def failure_message(program: str, code: int, output: str) -> str:
+    """One line: the program being compiled, the exception the compiling process ended on (its last line, cut),
+    and the file its whole output is written to."""
+    fd, log = tempfile.mkstemp(prefix="grpo-jax-compile-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(output)
+    raised = next((line for line in reversed(output.splitlines())
+                   if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", line)), f"exit code {code}")
+    raised = " ".join(raised.split())
+    raised = raised if len(raised) <= 300 else raised[:297] + "..."
+    return (f"{program or 'the first program'}: compiling it failed with {raised}; a bug on this config or layout "
+            f"(of grpo_jax, JAX or the compiler), not a memory verdict: the compiling process's output is in {log}")
 
 
 def crash_message(program: str, signum: int, output: str, peak_bytes: int = 0) -> str:

@@ -111,6 +111,7 @@ PROGRESS: pathlib.Path | None = None
 # Testing hook, honoured only in the child: compile_one os.abort()s at the program with this label, as libtpu
 # does on a failed internal check.
 ABORT_AT_ENV = "GRPO_JAX_COMPILE_ABORT_AT"
+RAISE_AT_ENV = "GRPO_JAX_COMPILE_RAISE_AT"  # tests: the child raises there, as a program it cannot trace would
 
 
 def _record_progress(event: str, label: str, seconds: float = 0.0) -> None:
@@ -130,6 +131,8 @@ def compile_one(jitted, args: tuple, topology: Topology, static: dict | None = N
         _record_progress("start", label)
         if label and os.environ.get(ABORT_AT_ENV) == label:
             os.abort()
+        if label and os.environ.get(RAISE_AT_ENV) == label:
+            raise NotImplementedError(f"{RAISE_AT_ENV}={label}: raised for a test")
     start = time.perf_counter()
     lowered = jitted.lower(*args, **(static or {}))
     key = compile_cache.program_key(lowered, args, topology.name)
