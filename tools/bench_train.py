@@ -267,6 +267,25 @@ def long_tailed_sequences(c: ModelConfig, n: int, prompt_bucket: int, completion
     return prompts, completions, behaviour, rng.standard_normal(n).astype(np.float32)
 
 
+def tokens_per_s_alternately(learners: dict[str, Learner], batches: dict, steps: int, tokens: int,
+                             unit: str) -> dict[str, float]:
+    """Each learner's step on its batch, `steps` times, the learners taking turns so that all see the same
+    (shared, noisy) machine: prints each one's wall times and returns {NAME_tokens_per_s: tokens / median}."""
+    times = {name: [] for name in learners}
+    for _ in range(steps):
+        for name, learner in learners.items():
+            t0 = time.perf_counter()
+            learner.step(batches[name])
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, walls in times.items():
+        step_s = statistics.median(walls)
+        out[f"{name}_tokens_per_s"] = tokens / step_s
+        print(f"{name}: step wall times (s) " + ", ".join(f"{t:.3f}" for t in walls) + f"; median {step_s:.3f}: "
+              f"{tokens / step_s:.0f} {unit}", flush=True)
+    return out
+
+
 def compare_packing(args, config: ModelConfig, loss_config: LossConfig, optim_config: OptimConfig) -> dict:
     """Packed vs padded learner throughput on the same long-tailed step (see the module docstring)."""
     sequences = long_tailed_sequences(config, args.sequences, args.prompt_bucket, args.completion_bucket,
@@ -299,21 +318,11 @@ def compare_packing(args, config: ModelConfig, loss_config: LossConfig, optim_co
         compile_s = time.perf_counter() - t0
         first[name], _ = learner.step(batches[name])
         print(f"{name}: compiled in {compile_s:.1f} s; first step loss {first[name]['loss']:.6g}", flush=True)
-    times = {name: [] for name in learners}
-    for _ in range(args.steps):  # alternately, so that both see the same (shared, noisy) machine
-        for name, learner in learners.items():
-            t0 = time.perf_counter()
-            learner.step(batches[name])
-            times[name].append(time.perf_counter() - t0)
     result = {"tokens": tokens, "rows": {"padded": args.sequences, "packed": rows},
               "padding_fraction": {"padded": padding_fraction(tokens, args.sequences, length),
                                    "packed": padding_fraction(tokens, rows, length)},
               "loss_difference": abs(first["packed"]["loss"] - first["padded"]["loss"])}
-    for name, walls in times.items():
-        step_s = statistics.median(walls)
-        result[f"{name}_tokens_per_s"] = tokens / step_s
-        print(f"{name}: step wall times (s) " + ", ".join(f"{t:.3f}" for t in walls) + f"; median {step_s:.3f}: "
-              f"{tokens / step_s:.0f} trained tokens/s", flush=True)
+    result.update(tokens_per_s_alternately(learners, batches, args.steps, tokens, "trained tokens/s"))
     ratio = result["packed_tokens_per_s"] / result["padded_tokens_per_s"]
     result["ratio"] = ratio
     print(f"first steps' losses differ by {result['loss_difference']:.2g} (the same sequences, the same model)")
@@ -339,19 +348,10 @@ def compare_attention(args, config: ModelConfig, loss_config: LossConfig, optim_
         first[impl], _ = learners[impl].step(batch)
         print(f"{impl}: compiled in {time.perf_counter() - t0:.1f} s, temporaries {temporaries[impl] / 2**20:.0f} "
               f"MiB; first step loss {first[impl]['loss']:.6g}", flush=True)
-    times = {impl: [] for impl in learners}
-    for _ in range(args.steps):  # alternately, so that both see the same (shared, noisy) machine
-        for impl, learner in learners.items():
-            t0 = time.perf_counter()
-            learner.step(batch)
-            times[impl].append(time.perf_counter() - t0)
     result = {"tokens": tokens, "temporaries": temporaries,
               "loss_difference": abs(first["blockwise"]["loss"] - first["dense"]["loss"])}
-    for impl, walls in times.items():
-        step_s = statistics.median(walls)
-        result[f"{impl}_tokens_per_s"] = tokens / step_s
-        print(f"{impl}: step wall times (s) " + ", ".join(f"{t:.3f}" for t in walls) + f"; median {step_s:.3f}: "
-              f"{tokens / step_s:.0f} tokens/s", flush=True)
+    result.update(tokens_per_s_alternately(learners, {impl: batch for impl in learners}, args.steps, tokens,
+                                           "tokens/s"))
     result["ratio"] = result["blockwise_tokens_per_s"] / result["dense_tokens_per_s"]
     print(f"first steps' losses differ by {result['loss_difference']:.2g} (the same rows, the same model)")
     if args.json:
