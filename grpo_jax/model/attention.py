@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from grpo_jax.parallel.sharding import split_axes
+
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "splash")  # ModelConfig.attention
 # `auto` outside TPU: dense while a row's scores stay this small (keys per query over the block size), so short
 # rows keep one fused softmax and long ones never hold [T, S].
@@ -299,7 +301,7 @@ def _splash_axes(mesh, kv_heads: int) -> tuple[tuple[str, ...] | None, str | Non
     operand on every device."""
     if mesh.empty:
         return None, None
-    rows_axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1) or None
+    rows_axes = split_axes(mesh, ("data", "fsdp")) or None
     tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
     heads_axis = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
     return rows_axes, heads_axis

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from grpo_jax.model.attention import target_platform
+from grpo_jax.parallel.sharding import split_axes
 
 MOE_MATMULS = ("auto", "ragged", "megablox")  # ModelConfig.moe_matmul
 ROW_AXES = ("data", "fsdp")  # the mesh axes that split rows (parallel.sharding.constrain_rows)
@@ -116,15 +117,10 @@ def ragged_experts(rows, experts, weights, gate, up, down, impl: str = "ragged")
     return jnp.zeros_like(rows).at[source].add(out)
 
 
-def _axes_of(mesh, axes) -> tuple[str, ...]:
-    """Those of `axes` the mesh has with more than one device."""
-    return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
-
-
 def _hidden_axis(mesh, hidden_units: int) -> str | None:
     """The axis each expert's hidden units split over inside the shard_map, where it divides them."""
-    return next(iter(_axes_of(mesh, (HIDDEN_AXIS,))), None) if hidden_units % mesh.shape.get(HIDDEN_AXIS, 1) == 0 \
-        else None
+    axes = split_axes(mesh, (HIDDEN_AXIS,))
+    return axes[0] if axes and hidden_units % mesh.shape[HIDDEN_AXIS] == 0 else None
 
 
 def _padded(rows, experts, weights, splits: int, no_expert: int):
@@ -134,30 +130,35 @@ def _padded(rows, experts, weights, splits: int, no_expert: int):
     return widen(rows), jnp.pad(experts, ((0, pad), (0, 0)), constant_values=no_expert), widen(weights)
 
 
-def _weight_specs(expert_axis: str | None, hidden: str | None) -> tuple[PartitionSpec, ...]:
-    return (PartitionSpec(expert_axis, None, hidden), PartitionSpec(expert_axis, None, hidden),
-            PartitionSpec(expert_axis, hidden, None))
+def _on_own_rows(local, rows, experts, weights, gate, up, down, expert_axis: str | None = None):
+    """local(rows, experts, weights, gate, up, down, hidden) under a shard_map with every mesh axis manual (a
+    Pallas kernel cannot be partitioned by XLA): each device's rows (data x fsdp, padded to split: a padding row
+    goes to no expert, with weight 0), the experts whole or split over `expert_axis`, each expert's hidden units
+    over tensor where they divide (`hidden`: that axis, or None). Returns the first N rows of local's output."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = rows.shape[0]
+    row_axes, hidden = split_axes(mesh, ROW_AXES), _hidden_axis(mesh, gate.shape[2])
+    rows, experts, weights = _padded(rows, experts, weights, math.prod(mesh.shape[a] for a in row_axes),
+                                     gate.shape[0])
+    split = PartitionSpec(row_axes or None)
+    weight_specs = (PartitionSpec(expert_axis, None, hidden), PartitionSpec(expert_axis, None, hidden),
+                    PartitionSpec(expert_axis, hidden, None))
+    return jax.shard_map(functools.partial(local, hidden=hidden), in_specs=(split,) * 3 + weight_specs,
+                         out_specs=split, axis_names=set(mesh.axis_names), check_vma=False)(
+        rows, experts, weights, gate, up, down)[:n]
 
 
 def local_experts(rows, experts, weights, gate, up, down, impl: str = "ragged"):
-    """ragged_experts with each device's own rows (module docstring). Every multi-device program runs it under
-    the shard_map, whose axes are all manual: a Pallas kernel (megablox) cannot be partitioned by XLA."""
+    """ragged_experts with each device's own rows (module docstring); the plain call without a multi-device mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return ragged_experts(rows, experts, weights, gate, up, down, impl)
-    n = rows.shape[0]
-    row_axes, hidden = _axes_of(mesh, ROW_AXES), _hidden_axis(mesh, gate.shape[2])
-    rows, experts, weights = _padded(rows, experts, weights, math.prod(mesh.shape[a] for a in row_axes),
-                                     gate.shape[0])
 
-    def local(rows, experts, weights, gate, up, down):
+    def local(rows, experts, weights, gate, up, down, hidden):
         out = ragged_experts(rows, experts, weights, gate, up, down, impl)
         return jax.lax.psum(out, hidden) if hidden else out
 
-    split = PartitionSpec(row_axes or None)
-    return jax.shard_map(local, in_specs=(split,) * 3 + _weight_specs(None, hidden), out_specs=split,
-                         axis_names=set(mesh.axis_names), check_vma=False)(
-        rows, experts, weights, gate, up, down)[:n]
+    return _on_own_rows(local, rows, experts, weights, gate, up, down)
 
 
 def expert_parallel_axis(num_experts: int) -> str | None:
@@ -178,13 +179,7 @@ def expert_parallel(rows, experts, weights, gate, up, down, axis: str, impl: str
     experts' weights only (never gathered), an all-gather of the tokens and a reduce-scatter of the outputs.
     Rows are padded to split evenly over the row axes (a padding row has weight 0); every axis is manual, as in
     local_experts, each expert's hidden units split over tensor where they divide."""
-    mesh = jax.sharding.get_abstract_mesh()
-    n = rows.shape[0]
-    row_axes, hidden = _axes_of(mesh, ROW_AXES), _hidden_axis(mesh, gate.shape[2])
-    rows, experts, weights = _padded(rows, experts, weights, math.prod(mesh.shape[a] for a in row_axes),
-                                     gate.shape[0])
-
-    def local(rows, experts, weights, gate, up, down):
+    def local(rows, experts, weights, gate, up, down, hidden):
         everyone = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
         rows_all, experts_all, weights_all = everyone(rows), everyone(experts), everyone(weights)
         held = gate.shape[0]
@@ -196,7 +191,4 @@ def expert_parallel(rows, experts, weights, gate, up, down, axis: str, impl: str
             out = jax.lax.psum(out, hidden)
         return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
 
-    split = PartitionSpec(row_axes)
-    return jax.shard_map(local, in_specs=(split,) * 3 + _weight_specs(axis, hidden), out_specs=split,
-                         axis_names=set(mesh.axis_names), check_vma=False)(
-        rows, experts, weights, gate, up, down)[:n]
+    return _on_own_rows(local, rows, experts, weights, gate, up, down, expert_axis=axis)

@@ -177,6 +177,11 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, str | None] = 
     return module
 
 
+def split_axes(mesh, axes: Sequence[str]) -> tuple[str, ...]:
+    """Those of `axes` the (abstract) mesh has with more than one device: the ones a shard_map splits over."""
+    return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
 def traced_on(mesh: Mesh | None, fn):
     """fn traced with `mesh` as the abstract mesh in context, so that the model code that reads it (constrain,
     the experts' and splash attention's shard_maps, the platform attention and the experts choose for) lays
