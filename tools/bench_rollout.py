@@ -1,4 +1,5 @@
-"""Rollout throughput on a long-tailed workload: the continuous engine vs the static sampler vs transformers.
+"""Rollout throughput on a long-tailed workload: the continuous engine (ring and paged KV) vs the static sampler vs
+transformers.
 
 Workload (GRPO-like): 64 prompts of 64 tokens x 8 samples = 512 completions of up to 512 new tokens, temperature
 1, float32, on the random Qwen2 shape of tools/bench_sampler.py. The model is made so that an end-of-sequence
@@ -11,16 +12,21 @@ Measured, in one run, as tokens of finished completions per second of wall time:
       until its longest row ends);
   (b) grpo_jax's continuous Engine: the 64 prompts submitted as groups of 8 (one prefill per prompt), slots
       refilled between decode chunks;
+  (b') the same engine with paged KV (sampler.kv_cache=paged, --page-size) at the same slots (equal concurrency),
+      its pool as large as the rings (nothing waits for a page): tokens/s, and its peak KV bytes in use against
+      the rings' bytes;
   (c) transformers' generate: one call over all 512 rows (num_return_sequences=8), stopping at eos.
 Each is warmed up (ours: one full call, which compiles; transformers: a short call), then timed `--repeats`
 times, alternating, and the median is used.
 
-    python tools/bench_rollout.py [--repeats 1] [--slots 128] [--chunk-steps 16] [--threads 2] [--skip-hf]
+    python tools/bench_rollout.py [--repeats 1] [--slots 128] [--chunk-steps 16] [--page-size 16] [--threads 2]
+                                  [--skip-hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -125,6 +131,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=128, help="the engine's slots (SamplerConfig.slots)")
     parser.add_argument("--chunk-steps", type=int, default=SamplerConfig.chunk_steps)
     parser.add_argument("--streams", type=int, default=SamplerConfig.decode_streams)
+    parser.add_argument("--page-size", type=int, default=SamplerConfig.page_size, help="the paged engine's")
     parser.add_argument("--skip-hf", action="store_true", help="leave transformers out (it is the slowest by far)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,6 +144,8 @@ def main() -> None:
                            decode_streams=args.streams, slots=args.slots, chunk_steps=args.chunk_steps)
     sampler = Sampler(ours, eos_ids=(EOS,), pad_id=0, config=config)
     engine = Engine(ours, eos_ids=(EOS,), pad_id=0, config=config)
+    paged = Engine(ours, eos_ids=(EOS,), pad_id=0,
+                   config=dataclasses.replace(config, kv_cache="paged", page_size=args.page_size))
     prompts = np.random.default_rng(args.seed).integers(0, VOCAB - 1, (PROMPTS, PROMPT_LEN))
     prompt_lists = prompts.tolist()
 
@@ -144,7 +153,8 @@ def main() -> None:
         return jax.random.split(jax.random.key(args.seed + r), PROMPTS * SAMPLES)
 
     sides = {"static": lambda r: run_static(sampler, prompt_lists, keys(r)),
-             "engine": lambda r: run_engine(engine, prompt_lists, keys(r))}
+             "engine": lambda r: run_engine(engine, prompt_lists, keys(r)),
+             "paged": lambda r: run_engine(paged, prompt_lists, keys(r))}
     if not args.skip_hf:
         sides["transformers"] = lambda r: run_hf(hf_model, prompts, args.seed + r)
     # Warm-up: ours compile their programs on a full first call; transformers compiles nothing, so a short call
@@ -174,7 +184,15 @@ def main() -> None:
           f"per run {prefilled} prompt tokens prefilled / {saved} saved by sharing (a prefill per sample: "
           f"{PROMPTS * SAMPLES * PROMPT_LEN}), {engine.num_compilations} compiled programs; load average after: "
           f"{os.getloadavg()[0]:.2f}")
-    line = f"engine/static: {tps['engine'] / tps['static']:.2f}x"
+    layers, heads, dim = ours.config.num_layers, engine.cache_heads, ours.config.resolved_head_dim
+    position_bytes = layers * 2 * heads * dim * 4  # keys and values of one position in every layer, float32
+    ring_bytes = engine.num_slots * engine.ring * position_bytes
+    paged_peak = paged.metrics()["engine/kv_pages_peak"] * paged.num_banks * args.page_size * position_bytes
+    print(f"KV bytes: rings {ring_bytes / 2**20:.1f} MiB; paged peak in use {paged_peak / 2**20:.1f} MiB (pages of "
+          f"{args.page_size}, the most any bank held, times {paged.num_banks} banks), "
+          f"{ring_bytes / paged_peak:.2f}x less; paged put back {paged.metrics()['engine/samples_put_back']} samples")
+    line = (f"engine/static: {tps['engine'] / tps['static']:.2f}x, "
+            f"paged/ring engine: {tps['paged'] / tps['engine']:.2f}x")
     if "transformers" in tps:
         line += f", engine/transformers: {tps['engine'] / tps['transformers']:.2f}x"
     print(line)

@@ -16,6 +16,11 @@ never read by a real token.
 
 Contract: q [B, KV, G, T, D] (G query heads share each key/value head), k and v [B, KV, S, D]; the output has q's
 shape and dtype. Scores are float32 in every implementation.
+
+Paged keys (`PagedKV`, the continuous engine's paged cache): one decode query per row reads the keys a page table
+names, in position order: on TPU through the paged-attention Pallas kernel
+(jax.experimental.pallas.ops.tpu.paged_attention), which reads only the pages a row holds; elsewhere by gathering
+the row's pages and the dense path.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ ATTENTION_IMPLS = ("auto", "dense", "blockwise", "splash")  # ModelConfig.attent
 # rows keep one fused softmax and long ones never hold [T, S].
 DENSE_BLOCKS = 4
 _MASKED = jnp.finfo(jnp.float32).min
+PAGES_PER_BLOCK = 8  # paged attention's kernel: pages per compute block, at most (a divisor of the pages per row)
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +95,76 @@ class AttentionMask:
         key_segments = None if self.key_segments is None else jnp.pad(self.key_segments, ((0, 0), (0, extra)))
         return dataclasses.replace(self, key_mask=jnp.pad(self.key_mask, ((0, 0), (0, extra))),
                                    key_segments=key_segments, whole=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedKV:
+    """One layer's keys and values in pages shared by a bank's rows: row b's key at position p lives in page
+    page_table[b, p // page_size], at offset p % page_size. A decode step writes each row's new key at position
+    lengths[b] - 1 (into page `write_page[b]`: a scratch page for rows that write nothing) and its query sees
+    positions 0 .. lengths[b] - 1."""
+
+    k_pages: jax.Array  # [C, N, page_size, D]: C cache heads (Transformer.init_cache's `heads`), N pages
+    v_pages: jax.Array
+    page_table: jax.Array  # [B, P] int32: each row's pages in position order (unused entries: any page)
+    write_page: jax.Array  # [B] int32
+    lengths: jax.Array  # [B] int32: keys each row holds once this step's key is written
+    # For grpo-jax compile's cost only: the keys a row holds on average (0: every page of its table), which the
+    # kernel's scope names (planning.hlo_cost.paged_cost): the kernel reads only a row's pages up to its length.
+    cost_keys: int = dataclasses.field(default=0, metadata={"static": True})
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    def written(self, k: jax.Array, v: jax.Array) -> PagedKV:
+        """This step's keys and values [B, C, 1, D] written at each row's position lengths - 1."""
+        offset = (self.lengths - 1) % self.page_size
+
+        def write(pages, new):  # indexing puts the [B] index dims first after the leading slice: [C, B, D]
+            return pages.at[:, self.write_page, offset].set(new[:, :, 0].swapaxes(0, 1).astype(pages.dtype))
+
+        return dataclasses.replace(self, k_pages=write(self.k_pages, k), v_pages=write(self.v_pages, v))
+
+
+def paged_attention(q, cache: PagedKV, scale: float, *, impl: str = "gather"):
+    """One query per row (q [B, C, G, 1, D]) over the row's paged keys. impl: "kernel" (TPU's paged-attention
+    kernel, under shard_map over the cache heads on a multi-device mesh) or "gather" (the row's pages gathered into
+    [B, C, P * page_size, D] and the dense path). The kernel has no interpreter mode: its path is checked by
+    compiling for TPU (tests/test_paged_kv.py)."""
+    b, c, g, _, d = q.shape
+    if impl == "gather":
+        def rows(pages):  # [C, N, page, D] -> [B, C, P * page, D]
+            picked = pages[:, cache.page_table]  # [C, B, P, page, D]
+            return picked.transpose(1, 0, 2, 3, 4).reshape(b, c, -1, d).astype(q.dtype)
+
+        k, v = rows(cache.k_pages), rows(cache.v_pages)
+        key_mask = jnp.arange(k.shape[2])[None, :] < cache.lengths[:, None]
+        return dense_attention(q, k, v, AttentionMask(key_mask=key_mask), scale)
+    if impl != "kernel":
+        raise ValueError(f"paged attention: impl={impl!r}; allowed 'kernel', 'gather'")
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
+
+    pages_per_row = cache.page_table.shape[1]
+    per_block = max(n for n in range(1, min(pages_per_row, PAGES_PER_BLOCK) + 1) if pages_per_row % n == 0)
+    heads = (q.reshape(b, c * g, d) * jnp.asarray(scale, q.dtype)).astype(cache.k_pages.dtype)
+
+    @jax.named_scope(f"paged_keys_{cache.cost_keys or pages_per_row * cache.page_size}")
+    def run(heads, k_pages, v_pages, lengths, page_table):
+        return kernel(heads, k_pages, v_pages, lengths, page_table, pages_per_compute_block=per_block)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 0 if mesh.empty or "tensor" not in mesh.axis_names else mesh.shape["tensor"]
+    if mesh.empty or mesh.size == 1:
+        out = run(heads, cache.k_pages, cache.v_pages, cache.lengths, cache.page_table)
+    else:  # a Pallas kernel cannot be partitioned by XLA: its heads split over tensor (where they divide), rows whole
+        heads_axis = "tensor" if tensor > 1 and c % tensor == 0 else None
+        out = jax.shard_map(run, in_specs=(PartitionSpec(None, heads_axis), PartitionSpec(heads_axis),
+                                           PartitionSpec(heads_axis), PartitionSpec(), PartitionSpec()),
+                            out_specs=PartitionSpec(None, heads_axis), check_vma=False)(
+            heads, cache.k_pages, cache.v_pages, cache.lengths, cache.page_table)
+    return out.astype(q.dtype).reshape(b, c, g, 1, d)
 
 
 def causal_mask(key_mask: jax.Array, queries: int, write_index=0, segment_ids: jax.Array | None = None

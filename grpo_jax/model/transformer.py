@@ -33,7 +33,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from grpo_jax.config_io import config_key
-from grpo_jax.model.attention import ATTENTION_IMPLS, AttentionMask, attend, causal_mask, choose, target_platform
+from grpo_jax.model.attention import (
+    ATTENTION_IMPLS,
+    AttentionMask,
+    PagedKV,
+    attend,
+    causal_mask,
+    choose,
+    paged_attention,
+    target_platform,
+)
 from grpo_jax.model.experts import (
     MOE_MATMULS,
     dense_experts,
@@ -392,7 +401,7 @@ class Attention(nnx.Module):
                  dropout_key=None):
         """x: [B,T,E]; mask: which of S keys each query sees; cache: (k, v) each [B,C,S,D] or None (S == T), where C is
         num_kv_heads or a multiple of it that divides num_heads (see Transformer.init_cache); query head h reads
-        cache head h // (num_heads / C).
+        cache head h // (num_heads / C). Or cache: a PagedKV (T == 1; the keys it names, not `mask`, are seen).
         adapters: this layer's lora.LayerAdapters or None; dropout_key: their dropout (None: none)."""
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])  # [B*T, E]: see MLP.__call__
@@ -412,21 +421,30 @@ class Attention(nnx.Module):
         # Keys/values as [B, KV, S, D]: batch dims leading, so the attention dots read the cache in place
         # (a [B, S, KV, D] cache made XLA transpose all of it every decode step).
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+        paged = isinstance(cache, PagedKV)  # a decode step over the continuous engine's paged cache
         if cache is not None:
-            k_cache, v_cache = cache
-            if k_cache.shape[1] != k.shape[1]:  # a cache holding each KV head repeated (init_cache's `heads`)
-                repeats = k_cache.shape[1] // k.shape[1]
+            k_cache, v_cache = (cache.k_pages, cache.v_pages) if paged else cache
+            heads = k_cache.shape[0 if paged else 1]
+            if heads != k.shape[1]:  # a cache holding each KV head repeated (init_cache's `heads`)
+                repeats = heads // k.shape[1]
                 k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
+        if paged:
+            cache = cache.written(k, v)
+        elif cache is not None:
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
             cache = (k, v)
         b, t, h, d = q.shape
-        kv = k.shape[1]
+        kv = cache.k_pages.shape[0] if paged else k.shape[1]
         # Queries as [B, KV, G, T, D], the attention's batch dims leading; its output in that order, then
         # transposed: asking XLA for btkgd directly picked a slow dot.
         q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-        impl = choose(self.impl, mask, self.block, target_platform())
-        out = attend(q, k.astype(dtype), v.astype(dtype), mask, self.scale, impl=impl, block=self.block)
+        platform = target_platform()
+        if paged:
+            out = paged_attention(q, cache, self.scale, impl="kernel" if platform == "tpu" else "gather")
+        else:
+            impl = choose(self.impl, mask, self.block, platform)
+            out = attend(q, k.astype(dtype), v.astype(dtype), mask, self.scale, impl=impl, block=self.block)
         out = out.transpose(0, 3, 1, 2, 4).reshape(b * t, h, d)
         y = jnp.einsum("nhd,hde->ne", out, self.o[...].astype(dtype))
         if adapters is not None:

@@ -33,8 +33,10 @@ def actor_workload(plan: RunPlan) -> Workload:
     """What one learner step asks of one actor's generator: its hosts' samples (episodes with an env section, of
     up to env.max_turns turns), in groups of group_size, prompts up to the learner's prompt bucket."""
     env = plan.config.env
+    optim = plan.config.optim
     return Workload(samples=plan.actor_rows, group_size=plan.config.grpo.group_size, prompt_len=plan.prompt_bucket,
-                    turns=1 if env is None else max(1, env.max_turns))
+                    turns=1 if env is None else max(1, env.max_turns), expected_prompt_len=optim.expected_prompt_len,
+                    expected_new_tokens=optim.expected_completion_len)
 
 
 def abstract_actor(plan: RunPlan) -> tuple[nnx.Module, nnx.Module | None]:
@@ -244,9 +246,11 @@ def engine_programs(plan: RunPlan, topology: Topology,
     cfg, mesh = config.sampler, plan.actor_mesh
     engine, state, head, adapters = setup.engine, setup.state, setup.head, setup.adapters
     full = engine.bank_slots
-    generated = engine.programs(actor_workload(plan))
+    work = actor_workload(plan)
+    generated = engine.programs(work)
     chunk_shapes = [p for p in generated if p.name == "engine chunk" and not p.cost_part]
-    chunk_step = next(p for p in generated if p.name == "engine chunk" and p.cost_part)
+    chunk_step = next(p for p in generated if p.name == "engine chunk" and p.cost_part and not p.at_expected)
+    expected_step = next((p for p in generated if p.name == "engine chunk" and p.at_expected), None)
     admissions = [p for p in generated if p.name == "engine admission"]
     resizes = [p for p in generated if p.name == "engine resize"]
 
@@ -258,7 +262,8 @@ def engine_programs(plan: RunPlan, topology: Topology,
                                  f"the other {engine.num_banks - 1} bank(s)' slot state")
     hints = engine_hints(plan, engine, weights, topology)
     samples = plan.actor_rows
-    chunk_calls = chunk_shapes[0].calls_per_step  # the full bank's
+    chunk_calls = chunk_shapes[0].calls_per_step  # the full bank's, every sample to max_new_tokens
+    expected_calls = chunk_shapes[0].expected_calls_per_step  # at the expected lengths (None: not given)
 
     programs = []
     # The decode chunk, for every bank size.
@@ -269,7 +274,7 @@ def engine_programs(plan: RunPlan, topology: Topology,
     if len(chunk_shapes) > 1:
         notes.append(f"compiled for banks of {', '.join(str(p.shape[0]) for p in chunk_shapes)} slots (halved while "
                      "draining); the largest memory shown")
-    cost, cost_note = None, ""
+    cost, cost_note, worst_cost = None, "", None
     if worst.memory is not None:
         step = _compile(chunk_step, topology)
         seconds += step.seconds
@@ -277,11 +282,27 @@ def engine_programs(plan: RunPlan, topology: Topology,
             cost_note = f"one decode step alone was refused: {step.refusal}"
         else:
             cost = step.cost * chunk_step.cost_part
+            in_flight = (f", as many at once as {engine.bank_pages} pages of {engine.page_size} positions hold"
+                         if engine.paged else "")
             notes.append(f"one decode step x chunk_steps={cfg.chunk_steps} per call; {chunk_calls} call(s) per step: "
-                         f"{samples} samples in {engine.num_banks} bank(s) of {full} slots, every one decoding to "
-                         f"max_new_tokens={cfg.max_new_tokens}")
-    programs.append(Program("engine chunk", mesh.size, worst.memory, held, held_what, cost, chunk_calls, seconds,
-                            worst.refusal, hints, cost_note, actor=True, notes=tuple(notes)))
+                         f"{samples} samples in {engine.num_banks} bank(s) of {full} slots{in_flight}, every one "
+                         f"decoding to max_new_tokens={cfg.max_new_tokens}")
+        if cost is not None and expected_step is not None:
+            at_expected = _compile(expected_step, topology)
+            seconds += at_expected.seconds
+            if at_expected.cost is not None:
+                cost, worst_cost = at_expected.cost * expected_step.cost_part, cost
+        if cost is not None and expected_calls is not None:
+            prompt, new = engine.expected_lengths(work)
+            reads = (f"; a decode step reads the {engine.expected_keys(work)} keys a sequence holds on average"
+                     if worst_cost is not None else "")
+            notes.append(f"at the expected lengths ({prompt} + {new} tokens, optim.expected_prompt_len / "
+                         f"expected_completion_len): {expected_calls} call(s) per step, slots refilled as samples "
+                         f"end{reads}")
+    programs.append(Program("engine chunk", mesh.size, worst.memory, held, held_what, cost,
+                            chunk_calls if expected_calls is None else expected_calls, seconds, worst.refusal, hints,
+                            cost_note, actor=True, notes=tuple(notes), worst_cost=worst_cost,
+                            worst_calls=None if expected_calls is None else chunk_calls))
 
     # The admission: prefill, copy into slots, first token; the largest shapes for memory, those used for cost.
     most = admissions[0]

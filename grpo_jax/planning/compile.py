@@ -270,5 +270,8 @@ def _compile_run(config: Config, topology_name: str, chips_per_host: str = "", c
         stage, transfers = sync_parts(plan, topology, learner_state, actor_bytes, actor_what)
     compiled = [learner, *actor, *stage]
     step = project_step(plan, param_count, topology, compiled, transfers)
+    worst = None
+    if any(p.worst_cost is not None or p.worst_calls is not None for p in compiled):
+        worst = project_step(plan, param_count, topology, compiled, transfers, worst=True)
     return Report(config_path, topology, model, param_count, describe_layout(plan), tuple(compiled),
-                  tuple(transfers), step)
+                  tuple(transfers), step, worst)

@@ -18,7 +18,9 @@ annotates on every loop it can count: lax.scan, lax.map, fori_loop with static b
   bytes, as megablox's grouped matmuls state them). Splash attention's kernels state none: their FLOPs are the
   matmuls of the blocks they compute, which the attention wrapper names in its scope (`splash_blocks_A_of_N`:
   A of the N query x key blocks are not masked whole, model.attention.splash_attention), and their bytes are
-  their operands and results, read and written once.
+  their operands and results, read and written once. The paged-attention kernel reads only the pages a row
+  holds: its scope names the keys per row (`paged_keys_K`, model.attention.paged_attention), from which its
+  FLOPs (q k^T and p v over K keys) and bytes (K keys and values per row, the queries and the output) follow.
 
 `Breakdown.parts` groups the bytes and FLOPs by the named scope of the model code that made each instruction
 (`jax.named_scope`: the transformer's "attention", "mlp", ...; see SCOPES) and by the kind of instruction
@@ -53,7 +55,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z
 _COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
 _SPLASH_KERNEL = re.compile(r"^splash_m[hq]a_(fwd|dq|dkv)")
 _SPLASH_BLOCKS = re.compile(r"splash_blocks_(\d+)_of_(\d+)")
-_FLOAT_SHAPE = re.compile(r"\b(?:bf16|f16|f32)\[([0-9,]+)\]")
+_PAGED_KEYS = re.compile(r"paged_keys_(\d+)")
+_TYPED_SHAPE = re.compile(r"\b(bf16|f16|f32)\[([0-9,]+)\]")
 # Matmuls of one query x key block per kernel, counted in multiply-adds of block_q x block_kv x head_dim: the forward
 # kernel's q k^T and p v, the dq kernel's recomputed scores, d_p and d_q, the dkv kernel's scores, d_p, d_v, d_k.
 SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
@@ -219,8 +222,37 @@ def custom_call_cost(instruction: Instruction) -> tuple[float, float] | None:
     found = _COST_ESTIMATE.search(instruction.attributes)
     if found:
         return float(found.group(1)), float(found.group(2))
+    paged = paged_cost(instruction)
+    if paged is not None:
+        return paged
     flops = splash_flops(instruction)
     return None if flops is None else (flops, None)
+
+
+def _operand_shapes(instruction: Instruction) -> list[tuple[str, tuple[int, ...]]]:
+    """The floating-point operands' types and shapes, in order, from the kernel's operand layout constraints."""
+    start = instruction.attributes.find("operand_layout_constraints={")
+    if start < 0:
+        return []
+    constraints = instruction.attributes[start:instruction.attributes.find("}}", start)]
+    return [(kind, tuple(int(n) for n in dims.split(","))) for kind, dims in _TYPED_SHAPE.findall(constraints)]
+
+
+def paged_cost(instruction: Instruction) -> tuple[float, float] | None:
+    """A paged-attention kernel's FLOPs and bytes at the keys per row its scope names: from its query operand
+    ([rows, kv heads, query heads per kv head, head_dim], its first floating-point operand) and its key pages
+    ([kv heads, pages, page size, head_dim]); None for another kernel."""
+    keys = _PAGED_KEYS.search(instruction.op_name)
+    shapes = _operand_shapes(instruction)
+    if not keys or len(shapes) < 2 or len(shapes[0][1]) != 4 or len(shapes[1][1]) != 4:
+        return None
+    (q_type, q), (k_type, k) = shapes[0], shapes[1]
+    rows, kv, groups, dim = q
+    per_row = int(keys.group(1))
+    flops = 2.0 * 2 * rows * kv * groups * per_row * dim
+    nbytes = (2.0 * rows * per_row * k[0] * dim * ELEMENT_BYTES[k_type]  # keys and values read
+              + 2.0 * rows * kv * groups * dim * ELEMENT_BYTES[q_type])  # queries in, output out
+    return flops, nbytes
 
 
 def splash_flops(instruction: Instruction) -> float | None:
@@ -229,9 +261,7 @@ def splash_flops(instruction: Instruction) -> float | None:
     two floating-point operands) and the unmasked share of blocks its scope names; None for another kernel."""
     kernel = _SPLASH_KERNEL.match(instruction.name)
     blocks = _SPLASH_BLOCKS.search(instruction.op_name)
-    start = instruction.attributes.find("operand_layout_constraints={")
-    constraints = instruction.attributes[start:instruction.attributes.find("}}", start)] if start >= 0 else ""
-    shapes = [tuple(int(n) for n in dims.split(",")) for dims in _FLOAT_SHAPE.findall(constraints)]
+    shapes = [shape for _, shape in _operand_shapes(instruction)]
     if not kernel or not blocks or len(shapes) < 2 or len(shapes[0]) < 3 or len(shapes[1]) < 3:
         return None
     q, k = shapes[0], shapes[1]

@@ -79,6 +79,10 @@ class Program:
     notes: tuple[str, ...] = ()  # printed under the table
     breakdown: hlo_cost.Breakdown | None = None  # the learner step's FLOPs and bytes by part (the report's
     # "where the bytes go")
+    # cost and calls_per_step are at the expected lengths (optim.expected_*_len); these at the maximum (every
+    # completion at max_new_tokens) where they differ (None: the same), for the worst-case projection.
+    worst_cost: Cost | None = None
+    worst_calls: int | None = None
 
     @property
     def total(self) -> int | None:
@@ -246,8 +250,11 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
     if breakdown.uncounted_loops:
         note = (f"{breakdown.uncounted_loops} loop(s) of the step whose trip count the compiled program does "
                 "not show are counted once",)
+    worst = None  # the step at the most rows, for the worst-case projection
+    if costed is not whole and whole.breakdown is not None:
+        worst = roofline(whole.breakdown.flops, whole.breakdown.bytes, topology)
     return (Program("learner step", mesh.size, whole.memory, held, held_what, cost, 1, seconds, "", hints,
-                    notes=notes + note, breakdown=breakdown), state_bytes)
+                    notes=notes + note, breakdown=breakdown, worst_cost=worst), state_bytes)
 
 
 def learner_hints(plan: RunPlan, state: int, topology: Topology) -> tuple[str, ...]:

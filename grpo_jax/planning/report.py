@@ -42,12 +42,14 @@ class Report:
     programs: tuple[Program, ...]
     transfers: tuple[Transfer, ...]
     step: StepProjection | None  # None when a program does not fit
+    # Every completion at max_new_tokens, where the expected lengths (optim.expected_*_len) make `step` differ.
+    worst_step: StepProjection | None = None
 
     def program(self, name: str) -> Program:
         return next(p for p in self.programs if p.name == name)
 
 
-def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -> float:
+def model_flops_per_step(config: Config, model: ModelConfig, param_count: int, worst: bool = False) -> float:
     """Useful FLOPs of one GRPO step, all hosts: 2 per weight per token forward (6 with the backward), plus
     attention (4 x heads x head_dim per token per key attended, in each layer; a sliding-window layer attends at
     most its window). The learner's over real tokens only:
@@ -55,13 +57,14 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -
     the padded bucket lengths), whatever the layout computes around them (padding, or packed rows' masked
     attention); the sampler's at the bucket lengths. Remat's recomputation and replicated work are not useful
     FLOPs. With LoRA the base's weights get no gradient: 4 per weight per trained token (forward and input
-    gradient); the adapters' few FLOPs are not counted."""
+    gradient); the adapters' few FLOPs are not counted. worst: every sequence at the bucket lengths (the learner's
+    too); else the sampler's at the expected lengths as well where the engine projects them."""
     rows = config.grpo.prompts_per_step * config.grpo.group_size
     prompt = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     new = config.sampler.max_new_tokens
     optim = config.optim
-    expected_prompt = min(optim.expected_prompt_len or prompt, prompt)
-    expected_new = min(optim.expected_completion_len or new, new)
+    expected_prompt = prompt if worst else min(optim.expected_prompt_len or prompt, prompt)
+    expected_new = new if worst else min(optim.expected_completion_len or new, new)
     head = model.hidden_size * model.vocab_size
     # The embedding lookup does no matmul; a token goes through its experts only (active parameters).
     body = param_count - head * (1 if model.tie_embeddings else 2) - model.inactive_expert_params
@@ -76,25 +79,35 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int) -
     learner = rows * learner_row * (3 * optim.epochs + extra_forwards)
     if config.lora.enabled:
         learner -= rows * optim.epochs * (2 * body * length + 2 * head * expected_new)  # no weight gradients
+    if config.sampler.engine == "continuous" and config.env is None:  # the engine projects the expected lengths
+        prompt, new = expected_prompt, expected_new
     sampler = rows * (forward(prompt, 1, prompt / 2) + (new - 1) * forward(1, 1, prompt + new / 2))
     return learner + sampler
 
 
 def project_step(plan: RunPlan, param_count: int, topology: Topology, programs: list[Program],
-                 transfers: list[Transfer]) -> StepProjection | None:
-    """The step time the chips could not beat on this layout, from the programs' rooflines, and its MFU; None
-    when a program has no time estimate."""
+                 transfers: list[Transfer], worst: bool = False) -> StepProjection | None:
+    """The step time the chips could not beat on this layout, from the programs' rooflines, and its MFU, at the
+    expected lengths (optim.expected_*_len), or with worst: every completion at max_new_tokens (the programs'
+    worst_cost / worst_calls); None when a program has no time estimate."""
     config = plan.config
     if any(p.cost is None for p in programs):
         return None
+
+    def cost(p: Program):
+        return (p.worst_cost or p.cost) if worst else p.cost
+
+    def calls(p: Program) -> int:
+        return p.worst_calls if worst and p.worst_calls is not None else p.calls_per_step
+
     learner = next(p for p in programs if p.name == "learner step")
     stages = sum(p.cost.seconds for p in programs if p.name == "weight sync stage")
-    learner_seconds = learner.cost.seconds + stages + sum(t.seconds for t in transfers)
-    actor_seconds = sum(p.cost.seconds * p.calls_per_step for p in programs if p.actor)
+    learner_seconds = cost(learner).seconds + stages + sum(t.seconds for t in transfers)
+    actor_seconds = sum(cost(p).seconds * calls(p) for p in programs if p.actor)
     overlapped = not plan.shared and config.grpo.max_staleness > 0
     seconds = max(learner_seconds, actor_seconds) if overlapped else learner_seconds + actor_seconds
     tokens = plan.rows * (plan.prompt_bucket + plan.completion_bucket)
-    flops = model_flops_per_step(config, plan.model, param_count)
+    flops = model_flops_per_step(config, plan.model, param_count, worst)
     mfu = flops / (seconds * len(topology.devices) * topology.peak_flops)
     return StepProjection(learner_seconds, actor_seconds, overlapped, seconds, tokens, flops, mfu)
 
@@ -163,6 +176,12 @@ def format_report(report: Report) -> str:
                      f"actor {time_text(s.actor_seconds)}; {mode}); {s.tokens / s.seconds:,.0f} tokens/s "
                      f"({s.tokens:,} prompt + completion tokens per step at the bucket lengths); "
                      f"MFU {100 * s.mfu:.1f}% ({count_text(s.model_flops)} model FLOPs per step)")
+        w = report.worst_step
+        if w is not None:
+            lines[-1] = lines[-1].replace("projected step:", "projected step at the expected lengths:", 1)
+            lines.append(f"projected step, every completion at max_new_tokens: {time_text(w.seconds)} (learner + "
+                         f"weight sync {time_text(w.learner_seconds)}, actor {time_text(w.actor_seconds)}); "
+                         f"MFU {100 * w.mfu:.1f}% ({count_text(w.model_flops)} model FLOPs per step)")
     lines.append("roofline = max(FLOPs / peak, bytes / HBM bandwidth) per loop body, times its trip count (decode: "
                  "every row to max_new_tokens; the learner step: over the whole step, its loops counted); "
                  "collectives and host work are not counted: a lower bound")

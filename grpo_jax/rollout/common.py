@@ -96,6 +96,10 @@ class Workload:
     group_size: int
     prompt_len: int  # the longest prompt, in tokens
     turns: int = 1  # assistant turns per episode (the continuation engine's)
+    # The mean prompt and completion a step is expected to have (optim.expected_*_len), for the projection at the
+    # expected lengths beside the worst case; 0: the longest prompt, every completion at max_new_tokens.
+    expected_prompt_len: int = 0
+    expected_new_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,9 +116,14 @@ class GeneratorProgram:
     donated: tuple[int, ...] = ()  # the positions of the args it donates (their buffers become its outputs)
     # Calls per learner step at this shape when every sample runs to max_new_tokens (0: none in that projection).
     calls_per_step: int = 0
+    # The same when the samples have the workload's expected lengths (None: calls_per_step).
+    expected_calls_per_step: int | None = None
     # > 0: never called itself but compiled alone for its cost, as a loop body is (XLA counts a loop body once
     # whatever its trip count): one call of `name` runs it cost_part times.
     cost_part: int = 0
+    # A cost part compiled for the workload's expected lengths (paged KV: the keys a sequence holds on average),
+    # beside the one at the maximum.
+    at_expected: bool = False
 
 
 # -- the actor's interface ------------------------------------------------------------------------------

@@ -27,14 +27,23 @@ sit finished while a few run on. This engine keeps a fixed number of sequences i
   carries the version of the weights that produced its logits and its log-prob under them (the behaviour
   policy of that token). With inflight_updates off, new weights wait until the slots have drained, and no
   new sequence starts meanwhile.
+- Paged KV (sampler.kv_cache = paged; rollout.pages). Instead of a ring per slot, a bank keeps every
+  full-attention layer's keys and values in one pool of kv_pages pages (model.attention.PagedKV), and each slot a
+  page table: its key at position p in its p // page_size-th page. Before each chunk the host gives every live
+  sequence the pages its next chunk_steps keys need (oldest first); when the pool runs short, the youngest
+  sequence in flight is put back in the queue (its pages freed, its tokens dropped) and later restarts from its
+  prompt, drawing what it drew before on the same weights. A sample starts only when its prompt and first
+  chunk's pages are free, so a full pool stops admission, never the run. The samples of a group admitted
+  together share the pages their prompt fills whole. Decode attention reads only a sequence's pages (TPU's
+  paged-attention kernel; elsewhere the pages are gathered). Sliding-window layers keep their per-slot ring.
 - Draining. With nothing waiting, a bank whose live slots fit in half of it is halved (down to
   MIN_BANK_SLOTS), so the long tail of a batch decodes a few slots, not a bank of finished ones; it grows
   back to full size when work arrives.
-- Programs (jit once): the decode chunk (one per bank size and sampling mode), the admission (prefill +
-  copy into slots + first token; one per power-of-two prompt count and prompt bucket), the bank resizes
-  and the empty state. Weights, temperature, top-p and token limits are runtime values. warm_up() compiles
-  them all before a run; programs() publishes them with abstract arguments for `grpo-jax compile`
-  (rollout.common).
+- Programs (jit once): the decode chunk (one per bank size, sampling mode and, with paged KV, page-table
+  width), the admission (prefill + copy into slots + first token; one per power-of-two prompt count and prompt
+  bucket), the bank resizes and the empty state. Weights, temperature, top-p and token limits are runtime
+  values. warm_up() compiles them all before a run; programs() publishes them with abstract arguments for
+  `grpo-jax compile` (rollout.common).
 - Routing (a model with experts and model.routing_replay): every token's experts in each MoE layer are recorded,
   the prompt's from its prefill and each sampled token's from the decode step that reads it, and returned with
   the group (GroupResult.routing), so that the learner routes each token as the actor did.
@@ -47,6 +56,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -58,7 +68,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.sampling import sample_logits
-from grpo_jax.model.attention import AttentionMask
+from grpo_jax.model.attention import AttentionMask, PagedKV
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
 from grpo_jax.parallel.sharding import traced_on
 from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: also importable from here
@@ -83,6 +93,7 @@ from grpo_jax.rollout.common import (  # draw_uniforms, Sampling, GroupResult: a
     weights_mesh,
     weights_state,
 )
+from grpo_jax.rollout.pages import PagePool, pages_for, positions_needed
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
 DONATED_SLOT_STATE = (3,)  # the admission and the chunk update a bank's slot state in place
@@ -94,8 +105,10 @@ class SlotState(NamedTuple):
     """One bank's slots on the device (S slots, L ring columns)."""
 
     cache: tuple  # per layer (k, v), each [S, C, L, D]: keys/values of each slot's sequence, in ring columns (C:
-    #               the KV heads, or each repeated so that the tensor axis splits them: sampler.cache_layout)
-    key_mask: jax.Array  # [S, L] bool: the ring columns that hold a key of the slot's current sequence
+    #               the KV heads, or each repeated so that the tensor axis splits them: sampler.cache_layout); with
+    #               paged KV, a full-attention layer's are the bank's pool, each [C, N + 1, page_size, D]
+    key_mask: jax.Array  # [S, L] bool: the ring columns that hold a key of the slot's current sequence ([S, 0]
+    #                      with paged KV: a sequence's keys are its positions)
     local_key_mask: jax.Array  # [S, W] bool: the same for the sliding-window layers' ring (W = 0 without them)
     last_token: jax.Array  # [S] int32: the token sampled last, fed to the model at the next step
     position: jax.Array  # [S] int32: RoPE position of last_token (the number of tokens before it)
@@ -114,7 +127,8 @@ class _Request:
     keys: np.ndarray  # [G, 2] uint32 raw key data, one per sample
     max_new: int
     tag: Any
-    placed: int = 0  # samples given a slot so far (in sample order)
+    pending: list = dataclasses.field(default_factory=list)  # samples waiting for a slot, in sample order
+    queued: bool = True  # in the engine's waiting queue
     finished: int = 0
     # Per sample, once finished: (tokens [n] int32, logprobs [n] float32, versions [n] int32, finish reason,
     # routing [prompt + n - 1, moe layers, k] int32 or None).
@@ -122,12 +136,15 @@ class _Request:
 
     def __post_init__(self):
         self.samples = [None] * len(self.keys)
+        self.pending = list(range(len(self.keys)))
 
 
 class _Bank:
-    """A bank's device state and its host mirror: which sample each slot holds and what it has drawn so far."""
+    """A bank's device state and its host mirror: which sample each slot holds and what it has drawn so far, and
+    with paged KV its page pool and each slot's pages."""
 
-    def __init__(self, state, slots: int, max_new: int, routing_shape: tuple = (0, 0)):
+    def __init__(self, state, slots: int, max_new: int, routing_shape: tuple = (0, 0), pages: int = 0,
+                 pages_per_sequence: int = 0):
         self.state = state
         self.occupants: list = [None] * slots  # (request, sample index) or None
         self.generated = np.zeros(slots, np.int32)  # tokens of the slot's sample recorded here
@@ -137,16 +154,27 @@ class _Bank:
         # Routing recorded (Engine.record_routing): of each sampled token, and of the slot's prompt ([P, ...]).
         self.routing = np.zeros((slots, max_new, *routing_shape), np.int32)
         self.prompt_routing: list = [None] * slots
+        self.pool = PagePool(pages) if pages else None
+        scratch = pages  # the pool's scratch page (PagePool.scratch)
+        self.page_table = np.full((slots, pages_per_sequence), scratch, np.int32)
+        self.held: list = [[] for _ in range(slots)]  # each slot's pages, in position order
+        self.prompt_len = np.zeros(slots, np.int32)
+        self.started = np.zeros(slots, np.int64)  # when the slot's sample got it (a counter): youngest is put back
+        self.stop = np.zeros(slots, bool)  # slots whose sample was put back: the next chunk marks them done
 
     def take(self, index: np.ndarray) -> None:
         """Keep the host rows `index` (in that order; -1: a new empty slot)."""
         keep = index >= 0
         self.occupants = [self.occupants[i] if i >= 0 else None for i in index]
         self.prompt_routing = [self.prompt_routing[i] if i >= 0 else None for i in index]
-        for name in ("generated", "tokens", "logprobs", "versions", "routing"):
+        self.held = [self.held[i] if i >= 0 else [] for i in index]
+        for name in ("generated", "tokens", "logprobs", "versions", "routing", "prompt_len", "started", "stop"):
             rows = getattr(self, name)[np.maximum(index, 0)]
             rows[~keep] = 0
             setattr(self, name, rows)
+        table = self.page_table[np.maximum(index, 0)]
+        table[~keep] = self.pool.scratch if self.pool is not None else 0
+        self.page_table = table
 
 
 @dataclasses.dataclass
@@ -182,9 +210,17 @@ class Engine:
         self.bank_slots = -(-total // self.num_banks)  # every bank the same shape: one compiled chunk program
         self.ring = cfg.max_prompt_len + cfg.max_new_tokens
         self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
+        self.paged = cfg.kv_cache == "paged"
+        self.page_size = cfg.page_size
+        self.pages_per_sequence = cfg.pages_per_sequence if self.paged else 0
+        # With paged KV, 0 pages: what the slots' rings would hold, so that no sequence ever waits for a page.
+        self.bank_pages = (cfg.kv_pages or self.bank_slots * pages_for(self.ring, cfg.page_size)) if self.paged else 0
+        self.key_columns = 0 if self.paged else self.ring  # the ring's columns (SlotState.key_mask)
+        self._started = 0  # samples given a slot so far (a paged bank puts the youngest back first)
         mesh = weights_mesh(self.state) if mesh is None else mesh
         self.mesh = mesh
         self.cache_heads, self.cache_sharding = cache_layout(model.config, mesh)
+        self.model_config = model.config
         self.record_routing = model.config.replays_routing
         self.routing_shape = model.config.routing_shape
         self.slot_shardings = None if mesh is None else self._slot_shardings(mesh, model.config.num_layers)
@@ -202,7 +238,7 @@ class Engine:
                               donate_argnums=DONATED_SLOT_STATE, **admitted)
         self._resize = jax.jit(self._resize_impl, **banked)
         self._chunk = jax.jit(traced_on(mesh, self._chunk_impl),
-                              static_argnames=("steps", "greedy", "top_k", "use_top_p"),
+                              static_argnames=("steps", "greedy", "top_k", "use_top_p", "cost_keys"),
                               donate_argnums=DONATED_SLOT_STATE, **chunked)
         self._empty = jax.jit(self._empty_state_impl, static_argnums=(0, 1), **banked)
         self._compiled: set = set()  # program keys called at least once (see step)
@@ -210,9 +246,9 @@ class Engine:
             empty = self.slot_state_shape(self.bank_slots)
             copies = [empty] * self.num_banks
         else:
-            empty = self._empty(self.bank_slots, self.ring)
+            empty = self._empty(self.bank_slots, self.key_columns)
             copies = [empty] + [jax.tree.map(jnp.copy, empty) for _ in range(self.num_banks - 1)]
-        self._banks = [_Bank(state, self.bank_slots, cfg.max_new_tokens, self.routing_shape) for state in copies]
+        self._banks = [self._new_bank(state) for state in copies]
         # A bank whose live slots fit in half of it, with nothing waiting, is halved (down to MIN_BANK_SLOTS):
         # the long tail of a batch then decodes a few slots, not a full bank of finished ones. Only where
         # sequences can outlive a chunk: otherwise every slot ends within the chunk it started in anyway, and
@@ -224,11 +260,26 @@ class Engine:
         self.stats = collections.Counter()  # running totals, see metrics()
         self._static: Sampler | None = None  # for generate() while busy, see there
 
+    def _new_bank(self, state) -> _Bank:
+        return _Bank(state, self.bank_slots, self.config.max_new_tokens, self.routing_shape, self.bank_pages,
+                     self.pages_per_sequence)
+
+    def _is_paged(self, layer: int) -> bool:
+        """Whether `layer` keeps its keys in the bank's page pool (paged KV, a full-attention layer)."""
+        return self.paged and not self.model_config.is_local(layer)
+
+    def _layer_cache_sharding(self, layer: int) -> NamedSharding | None:
+        """A layer's cache layout in the slot state: the ring's (cache_layout), or for a page pool [C, N, page, D]
+        the same split of its heads."""
+        if self.cache_sharding is None or not self._is_paged(layer):
+            return self.cache_sharding
+        return NamedSharding(self.mesh, PartitionSpec(*self.cache_sharding.spec[1:2]))
+
     def _slot_shardings(self, mesh: Mesh, layers: int) -> SlotState:
-        """The slot state's layout on `mesh`: the KV ring as cache_layout says (its heads split over `tensor`, each
-        KV head repeated where their number does not divide it), every other field replicated."""
+        """The slot state's layout on `mesh`: the KV ring (or page pool) as cache_layout says (its heads split over
+        `tensor`, each KV head repeated where their number does not divide it), every other field replicated."""
         replicated = NamedSharding(mesh, PartitionSpec())
-        return SlotState(cache=((self.cache_sharding,) * 2,) * layers,
+        return SlotState(cache=tuple((self._layer_cache_sharding(i),) * 2 for i in range(layers)),
                          **{name: replicated for name in SlotState._fields if name != "cache"})
 
     # -- weights --------------------------------------------------------------------------------------
@@ -286,8 +337,8 @@ class Engine:
 
     @property
     def waiting_samples(self) -> int:
-        """Samples submitted and not yet given a slot."""
-        return sum(len(r.keys) - r.placed for r in self._waiting)
+        """Samples submitted and not yet given a slot (or put back in the queue)."""
+        return sum(len(r.pending) for r in self._waiting)
 
     @property
     def busy(self) -> bool:
@@ -318,6 +369,8 @@ class Engine:
             self._swap(*self._pending)
         admissions = []
         for bank in self._banks:
+            if self.paged:
+                self._grow(bank)
             if self._pending is None and self._waiting and len(bank.occupants) < self.bank_slots:
                 self._resize_bank(bank, self.bank_slots)
             admissions.append(self._plan(bank) if self._pending is None else None)
@@ -429,15 +482,15 @@ class Engine:
 
     def warm_up(self, group_size: int = 1) -> int:
         """Compile, up front, every program a run with groups of `group_size` samples can use: the decode chunk
-        for every bank size, the bank resizes, and the admission for every prompt bucket and every power-of-two
-        count of prompts one bank can take at a boundary (partly placed groups included). Runs them on a
+        for every bank size (and, with paged KV, page-table width: table_widths), the bank resizes, and the
+        admission for every prompt bucket and every power-of-two count of prompts one bank can take at a boundary
+        (partly placed groups included). Runs them on a
         throwaway bank. Returns how many programs were compiled; afterwards a run compiles nothing."""
         if self.busy:
             raise RuntimeError("warm_up() needs an idle engine")
         before = self.num_compilations
-        cfg = self.config
         sizes, plens, rows = self.program_shapes(group_size)
-        bank = _Bank(self._empty(self.bank_slots, self.ring), self.bank_slots, cfg.max_new_tokens)
+        bank = self._new_bank(self._empty(self.bank_slots, self.key_columns))
         dummy = _Request(np.zeros(1, np.int32), np.zeros((1, 2), np.uint32), 1, None)
         for plen in plens:
             for count in rows:
@@ -447,13 +500,14 @@ class Engine:
         for size in sizes:  # full, then halved one step at a time, as step() does
             if size != self.bank_slots:
                 self._resize_bank(bank, size)
-            self._run_chunk(bank, self.state, self._head, self.adapters)
+            for width in self.table_widths():
+                self._run_chunk(bank, self.state, self._head, self.adapters, width)
         for size in reversed(sizes[1:]):  # and back to full from every size (the bank is at the smallest now)
             while len(bank.occupants) > size:
                 self._resize_bank(bank, len(bank.occupants) // 2)
             self._resize_bank(bank, self.bank_slots)
         static = tuple(sorted(self.sampling.static.items()))
-        self._compiled |= {("chunk", size, static) for size in sizes}
+        self._compiled |= {("chunk", size, width, static) for size in sizes for width in self.table_widths()}
         self._compiled |= {("admit", (count, plen), static) for plen in plens for count in rows}
         return self.num_compilations - before
 
@@ -467,6 +521,8 @@ class Engine:
                 "engine/prefill_tokens_saved": int(s["prefill_tokens_saved"]),
                 "engine/generated_tokens": int(s["generated_tokens"]),
                 "engine/updates_held_back": int(s["updates_held_back"]),
+                **({"engine/kv_pages_peak": max(bank.pool.peak_used for bank in self._banks),
+                    "engine/samples_put_back": int(s["put_back"])} if self.paged else {}),
                 "engine/tokens_per_s": s["generated_tokens"] / max(s["seconds"], 1e-9)}
 
     # -- planning -------------------------------------------------------------------------------------
@@ -478,26 +534,64 @@ class Engine:
 
     def slot_state_shape(self, slots: int) -> SlotState:
         """A bank of `slots` slots as ShapeDtypeStructs, in the layout the programs return it in (slot_shardings)."""
-        return placed(jax.eval_shape(lambda: self._empty(slots, self.ring)), self.slot_shardings)
+        return placed(jax.eval_shape(lambda: self._empty(slots, self.key_columns)), self.slot_shardings)
 
-    def _calls_per_step(self, samples: int, group_size: int) -> tuple[int, dict[int, int]]:
+    def _in_flight(self, positions: float) -> int:
+        """Sequences one bank holds at once when each holds `positions` key positions: its slots, or with paged KV
+        as many as its pages hold (at least one)."""
+        if not self.paged:
+            return self.bank_slots
+        return max(1, min(self.bank_slots, int(self.bank_pages // pages_for(math.ceil(positions), self.page_size))))
+
+    def _calls_per_step(self, samples: int, group_size: int, prompt_len: int) -> tuple[int, dict[int, int]]:
         """Decode chunks, and admissions by their prefill rows, of a step of `samples` samples in groups of
-        `group_size` when every sample decodes to max_new_tokens in lockstep: the samples fill the slots in waves;
-        each wave is one admission per bank it uses (one prefill per group) and ceil((max_new_tokens - 1) /
-        chunk_steps) chunks per bank (the first token comes from the admission; a last partial chunk counts
-        whole); banks run one after the other."""
-        cfg, full = self.config, self.bank_slots
+        `group_size` when every sample decodes to max_new_tokens in lockstep: the samples fill the slots in waves
+        (with paged KV, as many per bank as its pages hold at that length, prompts of `prompt_len`); each wave is
+        one admission per bank it uses (one prefill per group) and ceil((max_new_tokens - 1) / chunk_steps)
+        chunks per bank (the first token comes from the admission; a last partial chunk counts whole); banks run
+        one after the other."""
+        cfg = self.config
+        per_bank = self._in_flight(prompt_len + cfg.max_new_tokens - 1)
         chunks_per_wave = max(-(-(cfg.max_new_tokens - 1) // cfg.chunk_steps), 1)
         chunks, admissions, start = 0, {}, 0
         while start < samples:
-            wave = min(samples - start, self.num_slots)
-            for first in range(start, start + wave, full):
-                last = min(first + full, start + wave)  # this bank's samples [first, last)
+            wave = min(samples - start, per_bank * self.num_banks)
+            for first in range(start, start + wave, per_bank):
+                last = min(first + per_bank, start + wave)  # this bank's samples [first, last)
                 rows = self._admission_rows((last - 1) // group_size - first // group_size + 1)
                 admissions[rows] = admissions.get(rows, 0) + 1
                 chunks += chunks_per_wave
             start += wave
         return chunks, admissions
+
+    def expected_keys(self, workload: Workload) -> int:
+        """The keys a sequence of the workload's expected lengths holds on average over its decode steps (its
+        prompt and half its completion)."""
+        prompt, new = self.expected_lengths(workload)
+        return prompt + new // 2
+
+    def expected_lengths(self, workload: Workload) -> tuple[int, int]:
+        """(prompt, completion) tokens of the workload's expected sequence (its longest prompt and max_new_tokens
+        where it gives none)."""
+        cfg = self.config
+        return (min(workload.expected_prompt_len or workload.prompt_len, cfg.max_prompt_len),
+                min(workload.expected_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens))
+
+    def _expected_chunks(self, workload: Workload) -> int:
+        """Decode chunks of a step whose samples have the workload's expected lengths: each bank it uses keeps as
+        many sequences in flight as it holds (its slots; with paged KV, at most what its pages hold at the mean
+        live length, expected_keys, plus a chunk) while samples wait, and decodes its share of their tokens, at
+        least one whole sequence; banks run one after the other. Samples that end early refill at once: the
+        continuous engine's point, which the worst case (_calls_per_step) leaves out."""
+        cfg = self.config
+        _, new = self.expected_lengths(workload)
+        if workload.samples == 0:
+            return 0
+        in_flight = self._in_flight(self.expected_keys(workload) + cfg.chunk_steps)
+        banks = min(self.num_banks, -(-workload.samples // in_flight))
+        per_bank = -(-workload.samples // banks)
+        steps = max(-(-per_bank * (new - 1) // in_flight), new - 1)
+        return banks * max(-(-steps // cfg.chunk_steps), 1)
 
     def programs(self, workload: Workload) -> list[GeneratorProgram]:
         """The engine's programs at the shapes warm_up compiles for groups of workload.group_size
@@ -505,7 +599,9 @@ class Engine:
 
         - "engine chunk": a decode chunk of chunk_steps steps for every bank size (full first, then halved while
           draining; shape: (slots,)); then one decode step alone (the chunk with steps=1 on a full bank), compiled
-          for its cost (cost_part: chunk_steps);
+          for its cost (cost_part: chunk_steps); with paged KV and expected lengths in the workload, one more at
+          the keys a sequence holds on average (at_expected: the kernel reads only those pages). Chunk calls at
+          the expected lengths (expected_calls_per_step) beside the worst case when the workload has them;
         - "engine admission": prefill + copy into slots + first token on a full bank (shape: (prompts, prompt
           bucket)), at the most prompts one bank takes at a boundary, then at each other prompt count a step uses
           (fewest first), all at the bucket of workload.prompt_len;
@@ -513,7 +609,9 @@ class Engine:
           (slots, new slots)); none where banks do not shrink."""
         cfg, full = self.config, self.bank_slots
         sizes, _, admission_rows = self.program_shapes(workload.group_size)
-        chunk_calls, admissions = self._calls_per_step(workload.samples, workload.group_size)
+        chunk_calls, admissions = self._calls_per_step(workload.samples, workload.group_size, workload.prompt_len)
+        expected = workload.expected_prompt_len or workload.expected_new_tokens
+        expected_chunks = self._expected_chunks(workload) if expected else None
         whole = replicated(self.mesh)
         static = self.sampling.static
         state, head, adapters = abstract_arrays((self.state, self._head, self.adapters))
@@ -523,15 +621,28 @@ class Engine:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
 
         scalars = (sds((), jnp.float32), sds((), jnp.float32))
+
+        def tables(size):  # the page table and the slots put back, as _run_chunk passes them
+            return sds((size, self.pages_per_sequence), jnp.int32), sds((size,), jnp.bool_)
+
         programs = [GeneratorProgram(name="engine chunk", label=f"engine chunk ({size} slots)", jitted=self._chunk,
-                                     args=(state, head, adapters, banks[size], *scalars),
+                                     args=(state, head, adapters, banks[size], *tables(size), *scalars),
                                      kwargs=dict(static, steps=cfg.chunk_steps), shape=(size,),
-                                     donated=DONATED_SLOT_STATE, calls_per_step=chunk_calls if size == full else 0)
+                                     donated=DONATED_SLOT_STATE, calls_per_step=chunk_calls if size == full else 0,
+                                     expected_calls_per_step=expected_chunks if size == full else None)
                     for size in sizes]
         programs.append(GeneratorProgram(
             name="engine chunk", label="engine chunk (one decode step alone, for its cost)", jitted=self._chunk,
-            args=(state, head, adapters, banks[full], *scalars), kwargs=dict(static, steps=1), shape=(full,),
+            args=(state, head, adapters, banks[full], *tables(full), *scalars), kwargs=dict(static, steps=1),
+            shape=(full,),
             donated=DONATED_SLOT_STATE, cost_part=cfg.chunk_steps))
+        keys = self.expected_keys(workload)
+        if expected and self.paged and keys < self.pages_per_sequence * self.page_size:  # reads held pages only
+            programs.append(GeneratorProgram(
+                name="engine chunk", label=f"engine chunk (one decode step alone, {keys} keys per row, for its cost)",
+                jitted=self._chunk, args=(state, head, adapters, banks[full], *tables(full), *scalars),
+                kwargs=dict(static, steps=1, cost_keys=keys), shape=(full,), donated=DONATED_SLOT_STATE,
+                cost_part=cfg.chunk_steps, at_expected=True))
 
         plen = self._prompt_bucket(workload.prompt_len)
         slot_args = (sds((full,), jnp.int32), sds((full,), jnp.int32), sds((full, 2), jnp.uint32),
@@ -541,8 +652,8 @@ class Engine:
             label = "engine admission" if rows == most else f"engine admission ({rows} prompts, for its cost)"
             programs.append(GeneratorProgram(
                 name="engine admission", label=label, jitted=self._admit,
-                args=(state, head, adapters, banks[full], sds((rows, plen), jnp.int32), sds((rows, plen), jnp.bool_),
-                      *slot_args, *scalars),
+                args=(state, head, adapters, banks[full], tables(full)[0], sds((rows, plen), jnp.int32),
+                      sds((rows, plen), jnp.bool_), *slot_args, *scalars),
                 kwargs=dict(static), shape=(rows, plen), donated=DONATED_SLOT_STATE,
                 calls_per_step=admissions.get(rows, 0)))
 
@@ -556,21 +667,96 @@ class Engine:
 
     def _plan(self, bank: _Bank) -> _Admission | None:
         """Give this bank's free slots to waiting samples, oldest request first (a request's samples in
-        order, possibly over several boundaries)."""
+        order, possibly over several boundaries). With paged KV a sample also takes the pages of its prompt (those
+        it fills whole shared by the request's samples admitted together) and of its first chunk, and admission
+        stops at the first sample whose pages are not free."""
         free = [s for s, o in enumerate(bank.occupants) if o is None]
         requests, entries = [], []
-        while free and self._waiting:
+        out_of_pages = False
+        while free and self._waiting and not out_of_pages:
             request = self._waiting[0]
-            row = len(requests)
-            requests.append(request)
-            while free and request.placed < len(request.keys):
-                slot = free.pop(0)
-                entries.append((slot, row, request.placed))
-                bank.occupants[slot] = (request, request.placed)
-                request.placed += 1
-            if request.placed == len(request.keys):
+            row, shared = len(requests), None
+            while free and request.pending:
+                slot = free[0]
+                if self.paged:
+                    shared = self._give_pages(bank, slot, request, shared)
+                    if shared is None:
+                        out_of_pages = True
+                        break
+                free.pop(0)
+                if row == len(requests):
+                    requests.append(request)
+                sample = request.pending.pop(0)
+                entries.append((slot, row, sample))
+                bank.occupants[slot] = (request, sample)
+                bank.started[slot], self._started = self._started, self._started + 1
+                bank.stop[slot] = False
+            if not request.pending:
                 self._waiting.popleft()
+                request.queued = False
         return _Admission(requests, entries) if entries else None
+
+    def _give_pages(self, bank: _Bank, slot: int, request: _Request, shared: list | None) -> list | None:
+        """Pages for a sample of `request` starting in `slot`: its prompt's whole pages (`shared`: those taken for
+        the request's samples before it in this admission, None for the first) and its own for the prompt's tail
+        and first chunk. Returns the prompt's whole pages, or None (nothing taken) when the pool lacks them."""
+        n = len(request.prompt)
+        whole = n // self.page_size
+        total = pages_for(positions_needed(n, 1, request.max_new, self.config.chunk_steps), self.page_size)
+        own = total - whole
+        if bank.pool.free < own + (whole if shared is None else 0):
+            return None
+        if shared is None:
+            shared = bank.pool.take(whole)
+        else:
+            bank.pool.share(shared)
+        held = shared + bank.pool.take(own)
+        bank.held[slot], bank.prompt_len[slot] = held, n
+        bank.page_table[slot] = bank.pool.scratch
+        bank.page_table[slot, :len(held)] = held
+        return shared
+
+    def _grow(self, bank: _Bank) -> None:
+        """Before a chunk: every live sequence of the bank gets the pages its next chunk_steps keys need, oldest
+        first; when the pool runs short, the youngest sequence in flight is put back (_put_back) until it does not."""
+        live = sorted((s for s, o in enumerate(bank.occupants) if o is not None), key=lambda s: bank.started[s])
+        for slot in live:
+            if bank.occupants[slot] is None:  # put back for an older one
+                continue
+            request, _ = bank.occupants[slot]
+            need = pages_for(positions_needed(int(bank.prompt_len[slot]), int(bank.generated[slot]),
+                                              request.max_new, self.config.chunk_steps), self.page_size)
+            more = need - len(bank.held[slot])
+            while more > bank.pool.free:
+                youngest = max((s for s, o in enumerate(bank.occupants) if o is not None),
+                               key=lambda s: bank.started[s])
+                self._put_back(bank, youngest)
+                if youngest == slot:
+                    break
+            if bank.occupants[slot] is None or more <= 0:
+                continue
+            pages = bank.pool.take(more)
+            bank.page_table[slot, len(bank.held[slot]):need] = pages
+            bank.held[slot] = bank.held[slot] + pages
+
+    def _put_back(self, bank: _Bank, slot: int) -> None:
+        """Put the slot's sample back in the queue (paged KV out of pages): its pages are freed and its tokens
+        dropped; it restarts from its prompt when pages allow, its request ahead of every later one."""
+        request, sample = bank.occupants[slot]
+        self._free_slot(bank, slot)
+        bank.stop[slot] = True
+        request.pending = sorted(request.pending + [sample])
+        if not request.queued:
+            self._waiting.appendleft(request)
+            request.queued = True
+        self.stats["put_back"] += 1
+
+    def _free_slot(self, bank: _Bank, slot: int) -> None:
+        bank.occupants[slot], bank.generated[slot], bank.prompt_routing[slot] = None, 0, None
+        if self.paged:
+            bank.pool.release(bank.held[slot])
+            bank.held[slot] = []
+            bank.page_table[slot] = bank.pool.scratch
 
     def _resize_bank(self, bank: _Bank, size: int) -> None:
         """Rebuild the bank with `size` slots: its live slots first (in order), then empty ones."""
@@ -592,9 +778,26 @@ class Engine:
         longest = max(len(r.prompt) for r in admission.requests)
         return self._admission_rows(len(admission.requests)), self._prompt_bucket(longest)
 
+    def table_widths(self) -> list[int]:
+        """The page-table widths (pages per slot) a decode chunk is compiled for with paged KV: powers of two from
+        what a longest prompt and its first chunk need, then pages_per_sequence; a chunk reads only the pages of
+        the narrowest width that holds every slot's ([0] without paged KV)."""
+        if not self.paged:
+            return [0]
+        width = bucket(pages_for(self.config.max_prompt_len + self.config.chunk_steps, self.page_size), 1)
+        widths = []
+        while width < self.pages_per_sequence:
+            widths.append(width)
+            width *= 2
+        return widths + [self.pages_per_sequence]
+
+    def _table_width(self, bank: _Bank) -> int:
+        most = max((len(held) for held in bank.held), default=0)
+        return next(w for w in self.table_widths() if w >= most)
+
     def _program_keys(self, bank: _Bank, admission: _Admission | None) -> set:
         static = tuple(sorted(self.sampling.static.items()))
-        keys = {("chunk", len(bank.occupants), static)}
+        keys = {("chunk", len(bank.occupants), self._table_width(bank), static)}
         if admission is not None:
             keys.add(("admit", self._admission_shapes(admission), static))
         return keys
@@ -616,14 +819,16 @@ class Engine:
             request = admission.requests[row]
             slot[e], source[e], keys[e], limit[e] = slot_index, row, request.keys[sample], request.max_new
         bank.state, *first = self._admit(
-            state, head, adapters, bank.state, tokens, mask, slot, source, keys, limit, *self.sampling.scalars,
-            **self.sampling.static)
+            state, head, adapters, bank.state, bank.page_table, tokens, mask, slot, source, keys, limit,
+            *self.sampling.scalars, **self.sampling.static)
         return first  # first token, its log-prob (and the prompts' routing)
 
-    def _run_chunk(self, bank: _Bank, state, head, adapters):
+    def _run_chunk(self, bank: _Bank, state, head, adapters, width: int | None = None):
+        stop, bank.stop = bank.stop, np.zeros_like(bank.stop)
+        table = bank.page_table[:, :self._table_width(bank) if width is None else width]
         bank.state, tokens, logprobs, steps, *routing = self._chunk(
-            state, head, adapters, bank.state, *self.sampling.scalars, steps=self.config.chunk_steps,
-            **self.sampling.static)
+            state, head, adapters, bank.state, table, stop, *self.sampling.scalars,
+            steps=self.config.chunk_steps, **self.sampling.static)
         return jax.device_get((tokens, logprobs, bank.state.generated, bank.state.done, steps, *routing))
 
     def _record(self, bank: _Bank, admission: _Admission | None, first, chunk, version: int) -> list[GroupResult]:
@@ -667,7 +872,7 @@ class Engine:
                 routing = np.concatenate([bank.prompt_routing[slot], bank.routing[slot, :n - 1]])
             request.samples[sample] = (bank.tokens[slot, :n].copy(), bank.logprobs[slot, :n].copy(),
                                        bank.versions[slot, :n].copy(), reason, routing)
-            bank.occupants[slot], bank.generated[slot], bank.prompt_routing[slot] = None, 0, None
+            self._free_slot(bank, slot)
             request.finished += 1
             if request.finished == len(request.keys):
                 tokens_, logprobs_, versions_, reasons, routing_ = (list(x) for x in zip(*request.samples))
@@ -681,7 +886,12 @@ class Engine:
     def _empty_state_impl(self, slots: int, ring: int) -> SlotState:
         self.num_compilations += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, self.state)
-        return SlotState(cache=model.init_cache(slots, ring, self.cache_heads, self.local_ring),
+        cache = model.init_cache(slots, ring, self.cache_heads, self.local_ring)
+        if self.paged:  # full-attention layers: the bank's pool and its scratch page
+            pool_shape = (self.cache_heads, self.bank_pages + 1, self.page_size, self.model_config.resolved_head_dim)
+            cache = tuple(((jnp.zeros(pool_shape, model.compute_dtype),) * 2) if self._is_paged(i) else layer
+                          for i, layer in enumerate(cache))
+        return SlotState(cache=cache,
                          key_mask=jnp.zeros((slots, ring), bool),
                          local_key_mask=jnp.zeros((slots, self.local_ring), bool),
                          last_token=jnp.full((slots,), self.pad_id, jnp.int32),
@@ -694,25 +904,35 @@ class Engine:
         self.num_compilations += 1
         take = jnp.maximum(index, 0)
         empty = index < 0
-        # An empty slot's cache and key mask are left as found: admission overwrites both.
-        return SlotState(cache=jax.tree.map(lambda x: x[take], state.cache), key_mask=state.key_mask[take],
+        # An empty slot's cache and key mask are left as found: admission overwrites both. A page pool is the
+        # bank's, not a slot's: it stays (the host reorders the page tables).
+        cache = tuple(layer if self._is_paged(i) else jax.tree.map(lambda x: x[take], layer)
+                      for i, layer in enumerate(state.cache))
+        return SlotState(cache=cache, key_mask=state.key_mask[take],
                          local_key_mask=state.local_key_mask[take],
                          last_token=state.last_token[take], position=state.position[take],
                          generated=state.generated[take], limit=state.limit[take],
                          done=state.done[take] | empty, keys=state.keys[take], clock=state.clock)
 
     def _pinned(self, cache):
-        """A KV cache (the ring, or an admission's prefill) held in the ring's layout (cache_layout); as it is
-        without a mesh."""
+        """An admission's prefill cache held in the ring's layout (cache_layout); as it is without a mesh."""
         if self.cache_sharding is None:
             return cache
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.cache_sharding), cache)
 
-    def _admit_impl(self, params, head, adapters, state: SlotState, tokens, mask, slot, source, keys, limit,
-                    temperature, top_p, *, greedy, top_k, use_top_p):
+    def _pinned_slots(self, cache):
+        """A bank's cache (rings, page pools) held in the slot state's layout; as it is without a mesh."""
+        if self.cache_sharding is None:
+            return cache
+        return tuple(jax.tree.map(lambda x, i=i: jax.lax.with_sharding_constraint(x, self._layer_cache_sharding(i)),
+                                  layer) for i, layer in enumerate(cache))
+
+    def _admit_impl(self, params, head, adapters, state: SlotState, page_table, tokens, mask, slot, source, keys,
+                    limit, temperature, top_p, *, greedy, top_k, use_top_p):
         """Prefill the prompts [R, P] once, copy each entry's prompt keys/values into its slot (the P ring
-        columns before the current one), and draw every entry's first token. Entries e: prompt row
-        source[e] -> slot slot[e] (slot == S: unused), with its key and token limit."""
+        columns before the current one; with paged KV, positions 0 .. n - 1 of the slot's pages, page_table
+        [S, pages per sequence]), and draw every entry's first token. Entries e: prompt row source[e] -> slot
+        slot[e] (slot == S: unused), with its key and token limit."""
         self.num_compilations += 1
         model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
         rows, plen = tokens.shape
@@ -741,8 +961,21 @@ class Engine:
             key_mask = key_mask.at[slot].set(False, mode="drop")
             return key_mask.at[slot[:, None], cols[None, :]].set(mask[source, first:], mode="drop")
 
-        cache = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.cache, prefill))
-        key_mask = marked(state.key_mask)
+        if self.paged:  # column c of prompt row r is the prompt's position c - (its left padding)
+            n_slots, per_sequence = page_table.shape
+            position = jnp.arange(plen)[None, :] - (plen - mask.sum(-1))[source][:, None]  # [E, P]
+            used = (position >= 0) & (slot[:, None] < n_slots)
+            rows = page_table[jnp.minimum(slot, n_slots - 1)]
+            page_of = jnp.take_along_axis(rows, jnp.clip(position // self.page_size, 0, per_sequence - 1), axis=1)
+            page_of = jnp.where(used, page_of, self.bank_pages + 1)  # past the scratch page: dropped
+            offset = jnp.maximum(position, 0) % self.page_size
+
+        def place_paged(pool, new):  # new [R, C, P, D] -> pool [C, N, page, D] at [E, P] pages/offsets: [C, E, P, D]
+            return pool.at[:, page_of, offset].set(new[source].transpose(1, 0, 2, 3).astype(pool.dtype), mode="drop")
+
+        cache = tuple(((place_paged(k, pk), place_paged(v, pv)) if self._is_paged(i) else (place(k, pk), place(v, pv)))
+                      for i, ((k, v), (pk, pv)) in enumerate(zip(state.cache, prefill)))
+        key_mask = state.key_mask if self.paged else marked(state.key_mask)
         local_key_mask = marked(state.local_key_mask) if self.local_ring else state.local_key_mask
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
 
@@ -759,13 +992,16 @@ class Engine:
             return state, token, logprob, prompt_routing
         return state, token, logprob
 
-    def _chunk_impl(self, params, head, adapters, state: SlotState, temperature, top_p, *, steps, greedy, top_k,
-                    use_top_p):
-        """Up to `steps` decode steps for every slot (stopping early once all are done). Returns the new state
-        and each slot's tokens and log-probs of this chunk ([S, steps]; a live slot's new tokens are a prefix
-        of its row) and the steps run."""
+    def _chunk_impl(self, params, head, adapters, state: SlotState, page_table, stop, temperature, top_p, *, steps,
+                    greedy, top_k, use_top_p, cost_keys=0):
+        """Up to `steps` decode steps for every slot (stopping early once all are done), the slots `stop` [S]
+        marked done first (samples put back). Returns the new state and each slot's tokens and log-probs of this
+        chunk ([S, steps]; a live slot's new tokens are a prefix of its row) and the steps run. page_table
+        [S, pages per sequence]: with paged KV, each slot's pages (the host gave them room for `steps` keys).
+        cost_keys: for grpo-jax compile's cost only (PagedKV.cost_keys)."""
         self.num_compilations += 1
         model, lora = merged(self.graphdef, params, self.adapter_graphdef, adapters)
+        state = state._replace(done=state.done | stop)
         slots, ring = state.key_mask.shape
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         config = model.config
@@ -774,8 +1010,17 @@ class Engine:
 
         def body(carry):
             j, st, out_tokens, out_logprobs, out_routing = carry
-            column = st.clock % ring
-            key_mask = jax.lax.dynamic_update_slice(st.key_mask, jnp.ones((slots, 1), bool), (0, column))
+            key_mask, column = st.key_mask, None
+            if ring:
+                column = st.clock % ring
+                key_mask = jax.lax.dynamic_update_slice(key_mask, jnp.ones((slots, 1), bool), (0, column))
+            paged = None
+            if self.paged:  # this step writes each live slot's key at its position; a done slot's at the scratch page
+                per_sequence = page_table.shape[1]
+                page = jnp.take_along_axis(page_table, jnp.minimum(st.position // self.page_size,
+                                                                   per_sequence - 1)[:, None], axis=1)[:, 0]
+                paged = PagedKV(k_pages=None, v_pages=None, page_table=page_table, lengths=st.position + 1,
+                                write_page=jnp.where(st.done, self.bank_pages, page), cost_keys=cost_keys)
             local_key_mask, local_column = st.local_key_mask, None
             if self.local_ring:
                 local_column = st.clock % self.local_ring
@@ -787,11 +1032,17 @@ class Engine:
             cache, used = [], []
             for i, layer in enumerate(model.layers):
                 local = config.is_local(i)
+                layer_cache = st.cache[i]
+                if self._is_paged(i):
+                    k_pages, v_pages = layer_cache
+                    layer_cache = dataclasses.replace(paged, k_pages=k_pages, v_pages=v_pages)
                 x, layer_cache, experts = layer(x, st.position[:, None],
                                                 AttentionMask(key_mask=local_key_mask if local else key_mask),
-                                                local_inv_freq if local else inv_freq, st.cache[i],
+                                                local_inv_freq if local else inv_freq, layer_cache,
                                                 local_column if local else column,
                                                 None if lora is None else lora.layers[i])
+                if self._is_paged(i):
+                    layer_cache = (layer_cache.k_pages, layer_cache.v_pages)
                 cache.append(layer_cache)
                 if experts is not None:
                     used.append(experts[:, 0])
@@ -808,7 +1059,7 @@ class Engine:
             out_logprobs = jax.lax.dynamic_update_slice(out_logprobs, jnp.where(live, logprob, 0.0)[:, None], (0, j))
             generated = st.generated + live
             done = st.done | (live & jnp.isin(token, eos)) | (generated >= st.limit)
-            st = st._replace(cache=self._pinned(tuple(cache)), key_mask=key_mask, local_key_mask=local_key_mask,
+            st = st._replace(cache=self._pinned_slots(tuple(cache)), key_mask=key_mask, local_key_mask=local_key_mask,
                              last_token=jnp.where(live, token, st.last_token), position=st.position + live,
                              generated=generated, done=done, clock=st.clock + 1)
             return j + 1, st, out_tokens, out_logprobs, out_routing

@@ -71,6 +71,7 @@ from grpo_jax.rollout.common import (  # SampleResult, cache_layout, weights_mes
 
 MIN_PHASE_STEPS = 16  # shorter decode phases save less attention than their extra loop costs to compile
 ENGINES = ("static", "continuous")  # SamplerConfig.engine
+KV_CACHES = ("ring", "paged")  # SamplerConfig.kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,16 @@ class SamplerConfig:
                                               "sequences in flight (each token records the version that produced "
                                               "it); false: stop starting sequences while new weights wait, and adopt "
                                               "them once the slots have drained.")
+    kv_cache: str = config_key("ring", "Continuous engine only: how its banks hold keys and values. 'ring': every "
+                                       "slot owns max_prompt_len + max_new_tokens positions; 'paged': one pool of "
+                                       "kv_pages pages per bank, taken as sequences grow and freed as they end "
+                                       "(a group's prompt pages shared by its samples), so that slots can follow a "
+                                       "memory budget at live lengths; when pages run out no sequence starts, and "
+                                       "the youngest in flight is put back in the queue and restarted later.")
+    page_size: int = config_key(16, "kv_cache=paged: key positions per page.")
+    kv_pages: int = config_key(0, "kv_cache=paged: pages per bank (decode_streams banks), besides one scratch "
+                                  "page; at least one whole sequence's, ceil((max_prompt_len + max_new_tokens - "
+                                  "1) / page_size). 0: as many as the slots' rings would hold.")
 
     def validate(self) -> list[str]:
         """Problems with this config, as 'key=value: what is allowed' strings (empty when valid)."""
@@ -122,7 +133,23 @@ class SamplerConfig:
             problems.append(f"engine={self.engine!r}: allowed {', '.join(ENGINES)}")
         if self.slots < 0:
             problems.append(f"slots={self.slots}: must be >= 0 (0 means automatic)")
+        if self.kv_cache not in KV_CACHES:
+            problems.append(f"kv_cache={self.kv_cache!r}: allowed {', '.join(KV_CACHES)}")
+        if self.kv_cache == "paged" and self.engine != "continuous":
+            problems.append(f"kv_cache='paged': pages are the continuous engine's (engine={self.engine!r}); set "
+                            "engine=continuous or kv_cache=ring")
+        if self.page_size <= 0:
+            problems.append(f"page_size={self.page_size}: must be a positive integer")
+        elif self.kv_pages < 0 or 0 < self.kv_pages < self.pages_per_sequence:
+            problems.append(f"kv_pages={self.kv_pages}: must be 0 (as many as the rings would hold) or at least "
+                            f"{self.pages_per_sequence} (one whole sequence: max_prompt_len + max_new_tokens - 1 "
+                            f"positions in pages of {self.page_size})")
         return problems
+
+    @property
+    def pages_per_sequence(self) -> int:
+        """kv_cache=paged: the most pages one sequence holds (max_prompt_len + max_new_tokens - 1 positions)."""
+        return -(-(self.max_prompt_len + self.max_new_tokens - 1) // self.page_size)
 
 
 def _phase_ends(new_bucket: int, phases: int) -> list[int]:

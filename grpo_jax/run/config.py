@@ -192,6 +192,9 @@ class Config:
                             "prompts, not episodes; set eval.every_steps=0 with an env section")
         if self.model.replays_routing:
             problems.append("model.routing_replay=true: not recorded for episodes; set model.routing_replay=false")
+        if self.sampler.kv_cache != "ring":
+            problems.append(f"sampler.kv_cache={self.sampler.kv_cache!r}: episodes run on the continuation engine, "
+                            "whose rows keep a KV cache of their own; set sampler.kv_cache=ring with an env section")
         if self.sampler.slots and self.sampler.slots < self.grpo.group_size:
             problems.append(f"sampler.slots={self.sampler.slots}: with an env section a group's "
                             f"grpo.group_size={self.grpo.group_size} episodes run together, one slot each; set "
