@@ -5,6 +5,7 @@ a layout's overrides, passed back to the config loader, compile to the projectio
 that fits nowhere exits 2 with one line."""
 
 import contextlib
+import dataclasses
 import io
 import math
 import pathlib
@@ -36,6 +37,7 @@ from grpo_jax.run.plan import RunPlan, run_model_config
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_cpu.yaml")
 GSM8K = str(REPO / "configs" / "gsm8k_qwen2_5.yaml")
+GSM8K_8K = str(REPO / "configs" / "gsm8k_qwen2_5_8k.yaml")
 SHAPES = REPO / "configs" / "shapes"
 # As tests/test_compile.py's SMALL: 8 prompts x 4 samples, two mini-batches, two epochs, the static sampler.
 SMALL = ["grpo.prompts_per_step=8", "grpo.group_size=4", "optim.mini_batches=2", "optim.epochs=2",
@@ -49,6 +51,7 @@ CASES = {
     "tiny, 1 host x 4": (TINY, SMALL, 1, 4),
     "tiny engine, 2 hosts x 4": (TINY, [*SMALL[:-1], "sampler.engine=continuous"], 2, 4),
     "gsm8k 1.5B, 1 host x 8": (GSM8K, [f"model_path={SHAPES / 'Qwen2.5-1.5B-Instruct'}"], 1, 8),
+    "gsm8k 8k 1.5B paged, 1 host x 8": (GSM8K_8K, [f"model_path={SHAPES / 'Qwen2.5-1.5B-Instruct'}"], 1, 8),
     "gsm8k 70B, 16 hosts x 4": (GSM8K, [f"model_path={SHAPES / 'Llama-3.1-70B-Instruct'}", "sampler.engine=static"],
                                 16, 4),
 }
@@ -136,6 +139,37 @@ def test_the_configs_own_layout_is_compiled_first(monkeypatch):
     assert "the config's own first" in lines[0]
 
 
+def test_the_paged_engines_page_budget_is_searched_and_held_when_given():
+    config, model, layouts = space("gsm8k 8k 1.5B paged, 1 host x 8")
+    sampler = config.sampler
+    # 512 slots in one bank: their rings would hold 512 x 544 pages of 16 positions; halved twice, and the
+    # config's own budget.
+    assert {x.kv_pages for x in layouts if x.slots == 512} == {278528, 139264, 69632, sampler.kv_pages}
+    assert all(x.kv_pages >= sampler.pages_per_sequence for x in layouts)
+    plan = RunPlan.build(config, tpu_topology("v5e:2x4").devices, process_word="host")
+    own = own_layout(plan)
+    assert own.kv_pages == sampler.kv_pages and own in layouts
+    assert f"sampler.kv_pages={sampler.kv_pages}" in own.overrides()
+    _, _, held = space("gsm8k 8k 1.5B paged, 1 host x 8", "sampler.kv_pages=0",
+                       pinned=pinned_keys(["sampler.kv_pages=0"]))
+    assert {(x.slots, x.kv_pages) for x in held} == {(512, 278528), (256, 139264), (128, 69632)}
+    # Rings have no page budget to search.
+    _, _, rings = space("gsm8k 1.5B, 1 host x 8")
+    assert {x.kv_pages for x in rings} == {0}
+
+    shape = SliceShape(1, 8, V5E.hbm_bytes, V5E.peak_flops, V5E.hbm_bandwidth)
+    count = parameter_count(model)
+    by_pages = {pages: estimate(config, model, count, dataclasses.replace(own, kv_pages=pages), shape)
+                for pages in (278528, 69632, sampler.kv_pages)}
+    # Fewer pages: less memory, fewer sequences at once at the longest, a slower (worst-case) step.
+    assert by_pages[278528].actor_bytes > by_pages[69632].actor_bytes > by_pages[sampler.kv_pages].actor_bytes
+    assert by_pages[278528].seconds < by_pages[69632].seconds < by_pages[sampler.kv_pages].seconds
+    assert not by_pages[278528].fits  # 8704-position rings of 512 slots: 120 GiB a chip
+    # The rings of the same 512 slots hold what the largest pool does.
+    ring = estimate(config, model, count, dataclasses.replace(own, kv_pages=0), shape)
+    assert ring.actor_bytes == pytest.approx(by_pages[278528].actor_bytes, rel=0.01)
+
+
 def test_settings_given_on_the_command_line_are_held():
     overrides = ["mesh.actor_devices=2", "mesh.learner={data: 1, fsdp: 2, tensor: 1}", "model.remat=true"]
     pinned = pinned_keys([*overrides, "optim.lr=1e-3"])
@@ -183,16 +217,17 @@ def test_the_estimate_moves_the_way_the_settings_do():
                                                         **changes}), shape)
 
     shipped = guess()
-    # The compile report refuses the shipped layout's engine (docs/compile.md: a 22.7 GiB engine chunk, the KV
-    # rings of 512 slots replicated over tensor 4); the estimate says so too.
-    assert 18 * GIB < shipped.actor_bytes < 30 * GIB and not shipped.fits
+    # The compile report fits the shipped layout's engine (docs/compile.md: a 9.05 GiB engine chunk, the 2 KV
+    # heads each held twice so that tensor 4 splits them: one a chip); the estimate says so too.
+    assert 8 * GIB < shipped.actor_bytes < V5E.hbm_bytes and shipped.fits
     assert guess(micro_batch_size=8).learner_bytes < shipped.learner_bytes
     assert guess(remat=False).learner_bytes > shipped.learner_bytes
     assert guess(remat=False).seconds < shipped.seconds  # no recomputation
     assert guess(learner=(4, 1, 1)).learner_bytes > shipped.learner_bytes  # data replicates the weights
     assert guess(slots=128).actor_bytes < shipped.actor_bytes
-    # The 2 KV heads split over tensor 2, not over tensor 4: the engine's KV cache halves.
-    assert guess(actor=(1, 2, 2)).actor_bytes < shipped.actor_bytes
+    # The 2 KV heads: one a chip on tensor 2, and on tensor 4 too (each held twice); without that layout the
+    # KV ring would be whole on every chip of tensor 4.
+    assert guess(actor=(1, 2, 2)).actor_bytes == pytest.approx(shipped.actor_bytes)
     # The layout the compile report found to fit (micro-batches of 8, KV heads split) is estimated to fit.
     assert guess(micro_batch_size=8, actor=(1, 2, 2)).fits
     # Shared devices hold both sides.

@@ -214,6 +214,33 @@ def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
         engine.close()
 
 
+def test_a_page_table_beyond_smem_goes_through_the_kernel_in_row_blocks():
+    """The kernel prefetches its page table into SMEM (1 MiB): 512 rows of 544 pages (Qwen2.5-1.5B at 512 + 8192
+    tokens in pages of 16) is 1.1 MiB, which the compiler refused; the rows go through in blocks whose tables fit,
+    and the step compiles for a v5e chip."""
+    from grpo_jax.model.attention import PAGE_TABLE_SMEM_BYTES
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.topology import tpu_topology
+
+    b, c, g, d, page, per_row, pages = 512, 1, 6, 128, 16, 544, 4096
+    assert b * per_row * 4 > 2 * PAGE_TABLE_SMEM_BYTES
+
+    def step(q, k_pages, v_pages, table, lengths):
+        cache = PagedKV(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths,
+                        write_page=jnp.zeros(b, jnp.int32))
+        return paged_attention(q, cache, 0.1, impl="kernel")
+
+    with without_jax_cache():
+        device = tpu_topology("v5e:2x2").devices[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
+        ((b, c, g, 1, d), jnp.bfloat16), ((c, pages, page, d), jnp.bfloat16), ((c, pages, page, d), jnp.bfloat16),
+        ((b, per_row), jnp.int32), ((b,), jnp.int32))]
+    with without_jax_cache():
+        text = jax.jit(step).lower(*args).compile().as_text()
+    assert text.count("custom_call_target=\"tpu_custom_call\"") == 4  # 128 rows a call
+
+
 def test_trainer_on_a_pool_that_runs_short_accounts_for_every_prompt(tmp_path):
     """An async run on the paged engine whose pool holds far fewer sequences than its slots (8 pages of 4
     positions per bank, where one group's prompt alone takes 4 and each sample one more), chunks of one step and

@@ -42,6 +42,7 @@ ATTENTION_IMPLS = ("auto", "dense", "blockwise", "splash")  # ModelConfig.attent
 DENSE_BLOCKS = 4
 _MASKED = jnp.finfo(jnp.float32).min
 PAGES_PER_BLOCK = 8  # paged attention's kernel: pages per compute block, at most (a divisor of the pages per row)
+PAGE_TABLE_SMEM_BYTES = 512 * 1024  # paged attention's kernel: page-table bytes per call, at most (half of SMEM)
 
 
 @jax.tree_util.register_dataclass
@@ -150,9 +151,16 @@ def paged_attention(q, cache: PagedKV, scale: float, *, impl: str = "gather"):
     per_block = max(n for n in range(1, min(pages_per_row, PAGES_PER_BLOCK) + 1) if pages_per_row % n == 0)
     heads = (q.reshape(b, c * g, d) * jnp.asarray(scale, q.dtype)).astype(cache.k_pages.dtype)
 
+    # The kernel prefetches its whole page table into SMEM (1 MiB a core): rows go through it in blocks whose
+    # tables fit, each block one call.
+    rows_per_call = max(n for n in range(1, b + 1) if b % n == 0 and n * pages_per_row * 4 <= PAGE_TABLE_SMEM_BYTES)
+
     @jax.named_scope(f"paged_keys_{cache.cost_keys or pages_per_row * cache.page_size}")
     def run(heads, k_pages, v_pages, lengths, page_table):
-        return kernel(heads, k_pages, v_pages, lengths, page_table, pages_per_compute_block=per_block)
+        return jnp.concatenate([
+            kernel(heads[r:r + rows_per_call], k_pages, v_pages, lengths[r:r + rows_per_call],
+                   page_table[r:r + rows_per_call], pages_per_compute_block=per_block)
+            for r in range(0, b, rows_per_call)])
 
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 0 if mesh.empty or "tensor" not in mesh.axis_names else mesh.shape["tensor"]

@@ -353,8 +353,13 @@ def engine_hints(plan: RunPlan, engine: Engine, weights: int,
     if 2 * weights > topology.hbm_bytes:
         return hints
     now = f"now {engine.num_slots}" + ("" if cfg.slots else ": 0 means prompts_per_step / hosts x group_size")
-    hints = [f"fewer sampler.slots ({now}; each holds a KV ring of max_prompt_len + max_new_tokens = {engine.ring} "
-             f"positions)",
+    if engine.paged:
+        room = [f"fewer sampler.kv_pages (now {engine.bank_pages} per bank of {engine.page_size} positions each)",
+                f"fewer sampler.slots ({now})"]
+    else:
+        room = [f"fewer sampler.slots ({now}; each holds a KV ring of max_prompt_len + max_new_tokens = "
+                f"{engine.ring} positions)"]
+    hints = [*room,
              f"a shorter sampler.max_new_tokens={cfg.max_new_tokens} or max_prompt_len={cfg.max_prompt_len}",
              hints[-1]]
     kv, tensor = plan.model.num_kv_heads, plan.actor_mesh.shape["tensor"]

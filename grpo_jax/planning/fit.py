@@ -2,7 +2,8 @@
 
 A layout is the settings that decide where a run's memory goes and how fast its step is, not what it learns:
 the actor/learner device split (mesh.actor_devices), the actor's fsdp x tensor, the learner's data x fsdp x
-tensor, optim.micro_batch_size, sampler.slots (the continuous engine) and model.remat. The search:
+tensor, optim.micro_batch_size, sampler.slots (the continuous engine), sampler.kv_pages (its page budget, with
+sampler.kv_cache: paged) and model.remat. The search:
 
 1. enumerate_layouts (pure: integers in, no devices, no compiling) lists every combination of a bounded set
    of values per setting that can be laid out at all: the device counts divide, every host keeps a learner
@@ -21,7 +22,8 @@ tensor, optim.micro_batch_size, sampler.slots (the continuous engine) and model.
 Searched values: mesh.actor_devices 0 (shared) and the powers of two below a host's device count; the actor
 mesh (one per host; an actor across hosts is not searched) tensor x fsdp with data 1; the learner every
 data x fsdp x tensor; optim.micro_batch_size the mini-batch halved down to one row per learner batch split;
-sampler.slots a host's samples per step, halved twice; model.remat off and on.
+sampler.slots a host's samples per step, halved twice; with paged KV, sampler.kv_pages per bank what the bank's
+rings would hold, halved twice while a whole sequence fits (and the config's own); model.remat off and on.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from grpo_jax.planning.programs import refusal_excess
 from grpo_jax.planning.report import Report
 from grpo_jax.planning.topology import Topology, tpu_topology
 from grpo_jax.planning.units import size_text, time_text
+from grpo_jax.rollout.common import cache_heads
 from grpo_jax.run.config import Config
 from grpo_jax.run.plan import RunPlan, run_model_config
 
@@ -53,7 +56,8 @@ DEFAULT_LIMIT = 12  # compiles per --fit run: each costs seconds (tiny models) t
 # The settings --fit chooses; an override of one of them (or of a section holding it) on the command line holds
 # it fixed.
 SEARCHED = ("mesh.actor_devices", "mesh.actor.data", "mesh.actor.fsdp", "mesh.actor.tensor", "mesh.learner.data",
-            "mesh.learner.fsdp", "mesh.learner.tensor", "optim.micro_batch_size", "sampler.slots", "model.remat")
+            "mesh.learner.fsdp", "mesh.learner.tensor", "optim.micro_batch_size", "sampler.slots", "sampler.kv_pages",
+            "model.remat")
 
 
 class NothingFits(UserError):
@@ -68,6 +72,7 @@ class Layout:
     micro_batch_size: int
     slots: int  # the continuous engine's slots per host; 0 with the static sampler (not searched)
     remat: bool
+    kv_pages: int = 0  # pages per bank of the paged engine (sampler.kv_pages resolved); 0 without paged KV
 
     def overrides(self) -> list[str]:
         """The key=value words that select this layout, for grpo-jax train / compile."""
@@ -77,6 +82,8 @@ class Layout:
         words.append(f"optim.micro_batch_size={self.micro_batch_size}")
         if self.slots:
             words.append(f"sampler.slots={self.slots}")
+        if self.kv_pages:
+            words.append(f"sampler.kv_pages={self.kv_pages}")
         words.append(f"model.remat={str(self.remat).lower()}")
         return words
 
@@ -84,7 +91,7 @@ class Layout:
         actor = "shared" if self.actor_devices == 0 else f"{self.actor_devices}/host"
         _, actor_fsdp, actor_tensor = self.actor
         data, fsdp, tensor = self.learner
-        slots = f" slots {self.slots}" if self.slots else ""
+        slots = (f" slots {self.slots}" if self.slots else "") + (f" pages {self.kv_pages}" if self.kv_pages else "")
         return (f"actor {actor} fsdp {actor_fsdp} tensor {actor_tensor} | learner data {data} fsdp {fsdp} "
                 f"tensor {tensor} | micro {self.micro_batch_size}{slots} remat {'on' if self.remat else 'off'}")
 
@@ -144,6 +151,21 @@ def enumerate_layouts(config: Config, model: ModelConfig, hosts: int, devices_pe
         KV heads may stay whole (a model with fewer KV heads than the axis: the known trade-off)."""
         return model.num_heads % tensor == 0 and model.intermediate_size % tensor == 0
 
+    def page_choices(slots: int) -> list[int]:
+        """The paged engine's pages per bank searched for `slots` slots (see the module docstring); [0] without
+        paged KV. A pinned sampler.kv_pages holds the config's, resolved (0: what the rings would hold)."""
+        sampler = config.sampler
+        if not (engine and sampler.kv_cache == "paged"):
+            return [0]
+        bank_slots = sampler.banks(slots)[1]
+        if "sampler.kv_pages" in pinned:
+            return [sampler.pages_per_bank(bank_slots)]
+        rings = dataclasses.replace(sampler, kv_pages=0).pages_per_bank(bank_slots)
+        choices = halvings(rings, sampler.pages_per_sequence, 3)
+        if sampler.kv_pages and sampler.kv_pages not in choices:
+            choices.append(sampler.kv_pages)
+        return choices
+
     def held(key: str, values: list) -> list:
         """The config's value for a pinned setting (when it is one of `values`), else `values`."""
         if key not in pinned:
@@ -196,7 +218,8 @@ def enumerate_layouts(config: Config, model: ModelConfig, hosts: int, devices_pe
                 micro_choices.append(optim.micro_batch_size)
             for micro, slots, remat in itertools.product(held("optim.micro_batch_size", micro_choices),
                                                          slot_choices, remat_choices):
-                layouts.append(Layout(actor_devices, actor, learner, micro, slots, remat))
+                layouts += [Layout(actor_devices, actor, learner, micro, slots, remat, pages)
+                            for pages in page_choices(slots)]
     return layouts
 
 
@@ -247,13 +270,26 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     learner_bytes = state + activations + logits
 
     # Actor: the weights and the next ones (in the compute dtype), and the KV cache of the sequences decoding at
-    # once (its heads split over tensor only when they divide it); the engine's chunk holds about one more bank.
+    # once (laid out as rollout.common.cache_layout lays them out: split over tensor, each KV head repeated where
+    # their number does not divide it); the engine's chunk holds about one more bank.
+    # With paged KV the full-attention layers' cache is the banks' pools, and as many sequences decode at once
+    # as the pools hold at the longest (sliding-window layers keep a ring per slot).
     host_rows = rows // shape.hosts
     sequences = layout.slots or host_rows
-    banks = min(sampler.decode_streams, sequences)
-    kv_split = actor_tensor if model.num_kv_heads % actor_tensor == 0 else 1
-    kv = (sequences * model.keys_over_layers(length) * 2 * model.num_kv_heads * model.resolved_head_dim * compute_size
-          / kv_split)
+    banks = sampler.banks(sequences)[0]
+    heads = cache_heads(model.num_kv_heads, model.num_heads, actor_tensor)
+    heads_per_device = heads // actor_tensor if heads % actor_tensor == 0 else heads
+    per_key = 2 * heads_per_device * model.resolved_head_dim * compute_size  # one layer's key and value
+    sequence_keys = model.keys_over_layers(length)
+    if layout.kv_pages:
+        full_layers = model.num_layers - model.layer_types.count("sliding_attention")
+        pooled = banks * layout.kv_pages * sampler.page_size  # positions the pools hold
+        in_flight = min(sequences, max(1, pooled // length))
+        kv = (pooled * full_layers + sequences * (sequence_keys - full_layers * length)) * per_key
+    else:
+        in_flight = sequences
+        kv = sequences * sequence_keys * per_key
+    live_kv = in_flight * sequence_keys * per_key
     weights = param_count * compute_size / actor_count
     actor_bytes = 2 * weights + kv * (1 + 1 / banks)
     if layout.actor_devices == 0:
@@ -269,9 +305,9 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
     micro_passes = optim.epochs * rows // micro * 3 + forwards * rows // micro
     weight_reads = micro_passes * param_count * compute_size / tensor
     learner_seconds = max(flops / learner_count / shape.peak_flops, weight_reads / shape.hbm_bandwidth)
-    waves = -(-host_rows // sequences)
-    step_flops = 2 * active * sequences / actor_count
-    step_bytes = param_count * compute_size / actor_tensor + kv / 2
+    waves = -(-host_rows // in_flight)
+    step_flops = 2 * active * in_flight / actor_count
+    step_bytes = param_count * compute_size / actor_tensor + live_kv / 2
     actor_seconds = waves * sampler.max_new_tokens * max(step_flops / shape.peak_flops,
                                                          step_bytes / shape.hbm_bandwidth)
     overlapped = layout.actor_devices > 0 and grpo.max_staleness > 0
@@ -281,16 +317,19 @@ def estimate(config: Config, model: ModelConfig, param_count: int, layout: Layou
 
 
 def own_layout(plan: RunPlan) -> Layout:
-    """The layout the config itself names (its mesh, micro-batch, slots and remat), in the search's terms, as the
-    run description resolves the config's defaults (micro-batch 0: the mini-batch; slots 0: a host's samples)."""
+    """The layout the config itself names (its mesh, micro-batch, slots, pages and remat), in the search's terms, as
+    the run description resolves the config's defaults (micro-batch 0: the mini-batch; slots 0: a host's samples;
+    kv_pages 0: what the rings would hold)."""
     config, mesh = plan.config, plan.config.mesh
     slots = plan.engine_slots if config.sampler.engine == "continuous" else 0
+    paged = slots and config.sampler.kv_cache == "paged"
+    pages = config.sampler.pages_per_bank(config.sampler.banks(slots)[1]) if paged else 0
     micro = plan.micro_rows or plan.rows // config.optim.mini_batches
 
     def axes(m) -> tuple[int, int, int]:
         return m.data, m.fsdp, m.tensor
 
-    return Layout(mesh.actor_devices, axes(mesh.actor), axes(mesh.learner), micro, slots, config.model.remat)
+    return Layout(mesh.actor_devices, axes(mesh.actor), axes(mesh.learner), micro, slots, config.model.remat, pages)
 
 
 def search_order(layouts: list[Layout], estimates: list[Estimate]) -> list[tuple[Layout, Estimate]]:

@@ -298,14 +298,19 @@ def cache_layout(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> tuple[i
     `tensor`), so each device holds only the KV heads it reads: 1/gcd(num_kv_heads, tensor) of the cache instead
     of all of it (e.g. Qwen2.5-1.5B's 2 KV heads on tensor 4: half). Where the query heads do not split that way
     either, the cache is replicated."""
-    kv = config.num_kv_heads
     if mesh is None:
-        return kv, None
+        return config.num_kv_heads, None
     tensor = mesh.shape.get("tensor", 1)
-    heads = math.lcm(kv, tensor)
-    if config.num_heads % heads:
-        heads = kv
+    heads = cache_heads(config.num_kv_heads, config.num_heads, tensor)
     return heads, NamedSharding(mesh, PartitionSpec(None, "tensor") if heads % tensor == 0 else PartitionSpec())
+
+
+def cache_heads(kv_heads: int, query_heads: int, tensor: int) -> int:
+    """The KV cache's heads on a tensor axis of `tensor` (cache_layout): lcm(kv_heads, tensor), each KV head
+    repeated, where the query heads split that way; else the KV heads as they are. The cache is split over
+    `tensor` when its heads divide it, else replicated."""
+    heads = math.lcm(kv_heads, tensor)
+    return kv_heads if query_heads % heads else heads
 
 
 def weights_mesh(state) -> jax.sharding.Mesh | None:

@@ -97,6 +97,7 @@ from grpo_jax.rollout.pages import PagePool, pages_for, positions_needed
 from grpo_jax.rollout.sampler import Sampler, SamplerConfig
 
 DONATED_SLOT_STATE = (3,)  # the admission and the chunk update a bank's slot state in place
+DONATED_RESIZE = (0,)  # a paged bank's resize: its slot state
 DEFAULT_SLOTS = 64  # SamplerConfig.slots = 0 outside the trainer (which uses prompts_per_step x group_size)
 MIN_BANK_SLOTS = 8  # a draining bank is halved down to this many slots (below, a step costs about the same)
 
@@ -206,15 +207,14 @@ class Engine:
         self._pending: tuple | None = None  # (state, version) held back while inflight_updates is off
         self.sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         total = slots or cfg.slots or DEFAULT_SLOTS
-        self.num_banks = min(cfg.decode_streams, total)
-        self.bank_slots = -(-total // self.num_banks)  # every bank the same shape: one compiled chunk program
+        self.num_banks, self.bank_slots = cfg.banks(total)  # every bank the same shape: one compiled chunk program
         self.ring = cfg.max_prompt_len + cfg.max_new_tokens
         self.local_ring = min(self.ring, model.config.sliding_window) if model.config.has_local_layers else 0
         self.paged = cfg.kv_cache == "paged"
         self.page_size = cfg.page_size
         self.pages_per_sequence = cfg.pages_per_sequence if self.paged else 0
         # With paged KV, 0 pages: what the slots' rings would hold, so that no sequence ever waits for a page.
-        self.bank_pages = (cfg.kv_pages or self.bank_slots * pages_for(self.ring, cfg.page_size)) if self.paged else 0
+        self.bank_pages = cfg.pages_per_bank(self.bank_slots) if self.paged else 0
         self.key_columns = 0 if self.paged else self.ring  # the ring's columns (SlotState.key_mask)
         self._started = 0  # samples given a slot so far (a paged bank puts the youngest back first)
         mesh = weights_mesh(self.state) if mesh is None else mesh
@@ -236,7 +236,8 @@ class Engine:
         self.num_compilations = 0  # traces of the engine's programs (each is one XLA compile)
         self._admit = jax.jit(traced_on(mesh, self._admit_impl), static_argnames=("greedy", "top_k", "use_top_p"),
                               donate_argnums=DONATED_SLOT_STATE, **admitted)
-        self._resize = jax.jit(self._resize_impl, **banked)
+        # With paged KV the resize passes the bank's pools through: donated, they are not copied.
+        self._resize = jax.jit(self._resize_impl, donate_argnums=DONATED_RESIZE if self.paged else (), **banked)
         self._chunk = jax.jit(traced_on(mesh, self._chunk_impl),
                               static_argnames=("steps", "greedy", "top_k", "use_top_p", "cost_keys"),
                               donate_argnums=DONATED_SLOT_STATE, **chunked)
@@ -659,7 +660,8 @@ class Engine:
 
         pairs = list(zip(sizes, sizes[1:])) + [(size, full) for size in sizes[1:]]
         programs += [GeneratorProgram(name="engine resize", label=f"engine resize ({a} -> {b} slots)",
-                                      jitted=self._resize, args=(banks[a], sds((b,), jnp.int32)), shape=(a, b))
+                                      jitted=self._resize, args=(banks[a], sds((b,), jnp.int32)), shape=(a, b),
+                                      donated=DONATED_RESIZE if self.paged else ())
                      for a, b in pairs]
         return programs
 

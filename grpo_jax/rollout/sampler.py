@@ -151,6 +151,17 @@ class SamplerConfig:
         """kv_cache=paged: the most pages one sequence holds (max_prompt_len + max_new_tokens - 1 positions)."""
         return -(-(self.max_prompt_len + self.max_new_tokens - 1) // self.page_size)
 
+    def banks(self, slots: int) -> tuple[int, int]:
+        """The continuous engine's (banks, slots per bank) for `slots` slots: decode_streams banks (at most one per
+        slot), every bank the same size."""
+        banks = min(self.decode_streams, slots)
+        return banks, -(-slots // banks)
+
+    def pages_per_bank(self, bank_slots: int) -> int:
+        """kv_cache=paged: the pages of one bank of `bank_slots` slots: kv_pages, or (0) as many as their rings of
+        max_prompt_len + max_new_tokens positions would hold."""
+        return self.kv_pages or bank_slots * -(-(self.max_prompt_len + self.max_new_tokens) // self.page_size)
+
 
 def _phase_ends(new_bucket: int, phases: int) -> list[int]:
     """Exclusive ends of the decode phases over steps [1, new_bucket): near-equal spans, `phases` of them
