@@ -216,6 +216,7 @@ class Engine:
         # With paged KV, 0 pages: what the slots' rings would hold, so that no sequence ever waits for a page.
         self.bank_pages = cfg.pages_per_bank(self.bank_slots) if self.paged else 0
         self.key_columns = 0 if self.paged else self.ring  # the ring's columns (SlotState.key_mask)
+        self.table_widths = self._page_table_widths()  # fixed by the config: looked up before every chunk
         self._started = 0  # samples given a slot so far (a paged bank puts the youngest back first)
         mesh = weights_mesh(self.state) if mesh is None else mesh
         self.mesh = mesh
@@ -501,14 +502,14 @@ class Engine:
         for size in sizes:  # full, then halved one step at a time, as step() does
             if size != self.bank_slots:
                 self._resize_bank(bank, size)
-            for width in self.table_widths():
+            for width in self.table_widths:
                 self._run_chunk(bank, self.state, self._head, self.adapters, width)
         for size in reversed(sizes[1:]):  # and back to full from every size (the bank is at the smallest now)
             while len(bank.occupants) > size:
                 self._resize_bank(bank, len(bank.occupants) // 2)
             self._resize_bank(bank, self.bank_slots)
         static = tuple(sorted(self.sampling.static.items()))
-        self._compiled |= {("chunk", size, width, static) for size in sizes for width in self.table_widths()}
+        self._compiled |= {("chunk", size, width, static) for size in sizes for width in self.table_widths}
         self._compiled |= {("admit", (count, plen), static) for plen in plens for count in rows}
         return self.num_compilations - before
 
@@ -780,22 +781,22 @@ class Engine:
         longest = max(len(r.prompt) for r in admission.requests)
         return self._admission_rows(len(admission.requests)), self._prompt_bucket(longest)
 
-    def table_widths(self) -> list[int]:
-        """The page-table widths (pages per slot) a decode chunk is compiled for with paged KV: powers of two from
-        what a longest prompt and its first chunk need, then pages_per_sequence; a chunk reads only the pages of
-        the narrowest width that holds every slot's ([0] without paged KV)."""
+    def _page_table_widths(self) -> tuple[int, ...]:
+        """The page-table widths (pages per slot) a decode chunk is compiled for with paged KV (table_widths): powers
+        of two from what a longest prompt and its first chunk need, then pages_per_sequence; a chunk reads only the
+        pages of the narrowest width that holds every slot's ((0,) without paged KV)."""
         if not self.paged:
-            return [0]
+            return (0,)
         width = bucket(pages_for(self.config.max_prompt_len + self.config.chunk_steps, self.page_size), 1)
         widths = []
         while width < self.pages_per_sequence:
             widths.append(width)
             width *= 2
-        return widths + [self.pages_per_sequence]
+        return (*widths, self.pages_per_sequence)
 
     def _table_width(self, bank: _Bank) -> int:
         most = max((len(held) for held in bank.held), default=0)
-        return next(w for w in self.table_widths() if w >= most)
+        return next(w for w in self.table_widths if w >= most)
 
     def _program_keys(self, bank: _Bank, admission: _Admission | None) -> set:
         static = tuple(sorted(self.sampling.static.items()))
