@@ -18,7 +18,7 @@ from grpo_jax.data.tokenizer import load_tokenizer
 from grpo_jax.errors import DataError
 from grpo_jax.run.config import Config
 from grpo_jax.run.evaluation import held_out_records, pass_at_k
-from grpo_jax.run.metrics import read_metrics
+from grpo_jax.run.metrics import length_history, read_metrics
 from grpo_jax.state.ledger import EVENT_KINDS, audit
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -145,6 +145,11 @@ def test_eval_during_training_at_step_0_and_every_every_steps_leaves_the_ledger_
     # The baseline (version 0) is written after a learner step at the earliest; the final one after the last.
     assert evals[-1]["step"] == STEPS and lines[-1] == evals[-1]
     assert read_metrics(trained_run) == steps and read_metrics(trained_run, kind="eval") == evals
+    # Each step's sampled lengths as quantiles, which optim.expected_lengths_from pools for grpo-jax compile.
+    for step in steps:
+        assert len(step["length/quantiles"]) == 21 and step["length/quantiles"][-1] == step["length/max"]
+        assert step["length/quantiles"] == sorted(step["length/quantiles"]) and step["prompt_length/mean"] > 0
+    assert len(length_history(trained_run).quantiles) == STEPS
     assert read_metrics(trained_run, kind="all") == lines
     # Evaluation neither writes to the ledger nor takes prompts from the training stream.
     events = read_jsonl(trained_run / "events.jsonl")

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo_jax.algorithm.lengths import ExpectedLengths
 from grpo_jax.model.attention import AttentionMask, PagedKV, dense_attention, paged_attention
 from grpo_jax.model.transformer import ModelConfig, create_model
 from grpo_jax.rollout.engine import Engine
@@ -188,7 +189,8 @@ def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
     try:
         pool = engine.slot_state_shape(16).cache[0][0]
         assert pool.shape == (2, 65, 16, 128) and pool.sharding.spec == jax.sharding.PartitionSpec("tensor")
-        work = Workload(samples=64, group_size=4, prompt_len=64, turns=1, expected_new_tokens=64)
+        work = Workload(samples=64, group_size=4, prompt_len=64, turns=1,
+                        expected=ExpectedLengths(prompt=64, completions=(64,), source="test"))
         programs = engine.programs(work)
         chunk = next(p for p in programs if p.name == "engine chunk")
         with without_jax_cache():
@@ -210,6 +212,12 @@ def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
         # sequences of 255 positions: 16 waves of 48 chunks), against slots refilled at the expected length (64
         # pages hold 9 sequences of 96 keys and a chunk: 64 x 63 tokens in 448 steps, 112 chunks).
         assert chunk.calls_per_step == 16 * 48 and chunk.expected_calls_per_step == 112
+        # The same mean with a long tail (a quarter of the samples at 190 tokens, the rest at 22): a decoding
+        # sequence holds 137 keys on average, so 64 pages hold 7 at once, and 64 x 63 tokens take 576 steps.
+        tail = Workload(samples=64, group_size=4, prompt_len=64, turns=1,
+                        expected=ExpectedLengths(prompt=64, completions=(22, 22, 22, 190), source="test"))
+        tail_chunk = next(p for p in engine.programs(tail) if p.name == "engine chunk")
+        assert engine.expected_keys(tail) == 137 and tail_chunk.expected_calls_per_step == 144
     finally:
         engine.close()
 

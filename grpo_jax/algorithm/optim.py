@@ -57,6 +57,12 @@ class OptimConfig:
     expected_completion_len: int = config_key(0, "For grpo-jax compile's projection only: the mean completion length "
                                                  "(tokens) a step is expected to have. 0: the bucket (every row "
                                                  "full).")
+    expected_lengths_from: str = config_key("", "For grpo-jax compile's projection only: a previous run's directory "
+                                                "(or its metrics.jsonl) whose last 100 learner steps' logged lengths "
+                                                "(length/quantiles, prompt_length/mean) give the step's expected "
+                                                "completion lengths, tail included, and mean prompt. Set it or "
+                                                "expected_completion_len, not both; expected_prompt_len, if set, "
+                                                "overrides the run's prompt mean. Empty: not used.")
 
     @property
     def updates_per_step(self) -> int:
@@ -76,6 +82,9 @@ class OptimConfig:
                     "expected_prompt_len", "expected_completion_len"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)}: must be >= 0")
+        if self.expected_lengths_from and self.expected_completion_len:
+            problems.append(f"expected_lengths_from={self.expected_lengths_from!r}: set it or expected_completion_len "
+                            f"(now {self.expected_completion_len}), not both (set the other to 0)")
         if self.micro_batch_size and self.micro_batch_tokens:
             problems.append(f"micro_batch_tokens={self.micro_batch_tokens}: set it or micro_batch_size "
                             f"(now {self.micro_batch_size}), not both (set the other to 0)")

@@ -32,11 +32,9 @@ from grpo_jax.run.plan import RunPlan, shard_bytes
 def actor_workload(plan: RunPlan) -> Workload:
     """What one learner step asks of one actor's generator: its hosts' samples (episodes with an env section, of
     up to env.max_turns turns), in groups of group_size, prompts up to the learner's prompt bucket."""
-    env = plan.config.env
-    optim = plan.config.optim
+    env, expected = plan.config.env, plan.expected_lengths
     return Workload(samples=plan.actor_rows, group_size=plan.config.grpo.group_size, prompt_len=plan.prompt_bucket,
-                    turns=1 if env is None else max(1, env.max_turns), expected_prompt_len=optim.expected_prompt_len,
-                    expected_new_tokens=optim.expected_completion_len)
+                    turns=1 if env is None else max(1, env.max_turns), expected=expected if expected.given else None)
 
 
 def abstract_actor(plan: RunPlan) -> tuple[nnx.Module, nnx.Module | None]:
@@ -293,12 +291,10 @@ def engine_programs(plan: RunPlan, topology: Topology,
             if at_expected.cost is not None:
                 cost, worst_cost = at_expected.cost * expected_step.cost_part, cost
         if cost is not None and expected_calls is not None:
-            prompt, new = engine.expected_lengths(work)
             reads = (f"; a decode step reads the {engine.expected_keys(work)} keys a sequence holds on average"
                      if worst_cost is not None else "")
-            notes.append(f"at the expected lengths ({prompt} + {new} tokens, optim.expected_prompt_len / "
-                         f"expected_completion_len): {expected_calls} call(s) per step, slots refilled as samples "
-                         f"end{reads}")
+            notes.append(f"at the expected lengths ({engine.expected_lengths(work).describe()}): {expected_calls} "
+                         f"call(s) per step, slots refilled as samples end{reads}")
     programs.append(Program("engine chunk", mesh.size, worst.memory, held, held_what, cost,
                             chunk_calls if expected_calls is None else expected_calls, seconds, worst.refusal, hints,
                             cost_note, actor=True, notes=tuple(notes), worst_cost=worst_cost,

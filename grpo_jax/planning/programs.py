@@ -214,10 +214,10 @@ def learner_program(plan: RunPlan, topology: Topology, actor_held: int,
     rows, expected_rows = plan.learner_rows, plan.expected_learner_rows
     notes = ()
     if plan.packing:
-        prompt, completion = plan.expected_lengths
         notes = (f"packed rows of {plan.row_length} tokens: memory at {rows} rows (every completion at "
-                 f"max_new_tokens), time at {expected_rows} (sequences of {prompt} + {completion} tokens, "
-                 "optim.expected_prompt_len / expected_completion_len; 0: the buckets)",)
+                 f"max_new_tokens), time at {expected_rows} (sequences of {plan.expected_lengths.describe()}; "
+                 "optim.expected_prompt_len / expected_completion_len / expected_lengths_from; none: the "
+                 "buckets)",)
 
     held, held_what = 0, ""
     if plan.shared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from grpo_jax.algorithm.lengths import BUCKETS, ExpectedLengths
 from grpo_jax.errors import UserError
 from grpo_jax.model.transformer import ModelConfig
 from grpo_jax.planning.programs import Program, Transfer, refusal_excess
@@ -49,22 +50,23 @@ class Report:
         return next(p for p in self.programs if p.name == name)
 
 
-def model_flops_per_step(config: Config, model: ModelConfig, param_count: int, worst: bool = False) -> float:
+def model_flops_per_step(config: Config, model: ModelConfig, param_count: int,
+                         lengths: ExpectedLengths | None = None) -> float:
     """Useful FLOPs of one GRPO step, all hosts: 2 per weight per token forward (6 with the backward), plus
     attention (4 x heads x head_dim per token per key attended, in each layer; a sliding-window layer attends at
-    most its window). The learner's over real tokens only:
-    sequences of the expected lengths (optim.expected_prompt_len / expected_completion_len; 0, the default:
-    the padded bucket lengths), whatever the layout computes around them (padding, or packed rows' masked
-    attention); the sampler's at the bucket lengths. Remat's recomputation and replicated work are not useful
-    FLOPs. With LoRA the base's weights get no gradient: 4 per weight per trained token (forward and input
-    gradient); the adapters' few FLOPs are not counted. worst: every sequence at the bucket lengths (the learner's
-    too); else the sampler's at the expected lengths as well where the engine projects them."""
+    most its window). The learner's over real tokens only: sequences of `lengths` (RunPlan.expected_lengths,
+    averaged per sequence over its completions, since attention grows faster than the length; None: every
+    sequence at the bucket lengths, the worst case), whatever the layout computes around them (padding, or
+    packed rows' masked attention); the sampler's at the bucket lengths, or at `lengths` where the continuous
+    engine projects them. Remat's recomputation and replicated work are not useful FLOPs. With LoRA the base's
+    weights get no gradient: 4 per weight per trained token (forward and input gradient); the adapters' few
+    FLOPs are not counted."""
     rows = config.grpo.prompts_per_step * config.grpo.group_size
     prompt = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     new = config.sampler.max_new_tokens
     optim = config.optim
-    expected_prompt = prompt if worst else min(optim.expected_prompt_len or prompt, prompt)
-    expected_new = new if worst else min(optim.expected_completion_len or new, new)
+    buckets = ExpectedLengths(prompt=prompt, completions=(new,), source=BUCKETS)
+    lengths = buckets if lengths is None else lengths.clipped(prompt, new)
     head = model.hidden_size * model.vocab_size
     # The embedding lookup does no matmul; a token goes through its experts only (active parameters).
     body = param_count - head * (1 if model.tie_embeddings else 2) - model.inactive_expert_params
@@ -73,15 +75,22 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int, w
     def forward(tokens: int, scored: int, keys: float) -> float:
         return 2 * body * tokens + attention * tokens * model.keys_over_layers(keys) + 2 * head * scored
 
-    length = expected_prompt + expected_new - 1
-    learner_row = forward(length, expected_new, length / 2)
+    def learner_row(p: int, c: int) -> float:
+        length = p + c - 1
+        return forward(length, c, length / 2)
+
+    def frozen_gradients(p: int, c: int) -> float:  # what LoRA's frozen base does not compute
+        return 2 * body * (p + c - 1) + 2 * head * c
+
+    def sampled(p: int, c: int) -> float:
+        return forward(p, 1, p / 2) + (c - 1) * forward(1, 1, p + c / 2)
+
     extra_forwards = (optim.updates_per_step > 1) + config.loss.needs_reference
-    learner = rows * learner_row * (3 * optim.epochs + extra_forwards)
+    learner = rows * lengths.mean_of(learner_row) * (3 * optim.epochs + extra_forwards)
     if config.lora.enabled:
-        learner -= rows * optim.epochs * (2 * body * length + 2 * head * expected_new)  # no weight gradients
-    if config.sampler.engine == "continuous" and config.env is None:  # the engine projects the expected lengths
-        prompt, new = expected_prompt, expected_new
-    sampler = rows * (forward(prompt, 1, prompt / 2) + (new - 1) * forward(1, 1, prompt + new / 2))
+        learner -= rows * optim.epochs * lengths.mean_of(frozen_gradients)
+    engine_projects = config.sampler.engine == "continuous" and config.env is None
+    sampler = rows * (lengths if engine_projects else buckets).mean_of(sampled)
     return learner + sampler
 
 
@@ -107,7 +116,7 @@ def project_step(plan: RunPlan, param_count: int, topology: Topology, programs: 
     overlapped = not plan.shared and config.grpo.max_staleness > 0
     seconds = max(learner_seconds, actor_seconds) if overlapped else learner_seconds + actor_seconds
     tokens = plan.rows * (plan.prompt_bucket + plan.completion_bucket)
-    flops = model_flops_per_step(config, plan.model, param_count, worst)
+    flops = model_flops_per_step(config, plan.model, param_count, None if worst else plan.expected_lengths)
     mfu = flops / (seconds * len(topology.devices) * topology.peak_flops)
     return StepProjection(learner_seconds, actor_seconds, overlapped, seconds, tokens, flops, mfu)
 

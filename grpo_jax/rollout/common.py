@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo_jax.algorithm.lengths import ExpectedLengths
 from grpo_jax.model.transformer import ModelConfig
 
 
@@ -96,10 +97,9 @@ class Workload:
     group_size: int
     prompt_len: int  # the longest prompt, in tokens
     turns: int = 1  # assistant turns per episode (the continuation engine's)
-    # The mean prompt and completion a step is expected to have (optim.expected_*_len), for the projection at the
-    # expected lengths beside the worst case; 0: the longest prompt, every completion at max_new_tokens.
-    expected_prompt_len: int = 0
-    expected_new_tokens: int = 0
+    # The lengths a step is expected to have (RunPlan.expected_lengths), for the projection at the expected lengths
+    # beside the worst case; None: the longest prompt, every completion at max_new_tokens, only.
+    expected: ExpectedLengths | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

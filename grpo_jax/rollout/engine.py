@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_jax.algorithm.lengths import BUCKETS, ExpectedLengths
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.attention import AttentionMask, PagedKV
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
@@ -567,32 +568,36 @@ class Engine:
         return chunks, admissions
 
     def expected_keys(self, workload: Workload) -> int:
-        """The keys a sequence of the workload's expected lengths holds on average over its decode steps (its
-        prompt and half its completion)."""
-        prompt, new = self.expected_lengths(workload)
-        return prompt + new // 2
+        """The keys a decoding sequence holds on average over a step's decode steps, at the workload's expected
+        lengths (ExpectedLengths.decode_keys)."""
+        return self.expected_lengths(workload).decode_keys()
 
-    def expected_lengths(self, workload: Workload) -> tuple[int, int]:
-        """(prompt, completion) tokens of the workload's expected sequence (its longest prompt and max_new_tokens
-        where it gives none)."""
+    def expected_lengths(self, workload: Workload) -> ExpectedLengths:
+        """The workload's expected lengths, each at most what this engine takes (its longest prompt and
+        max_new_tokens where the workload gives none)."""
         cfg = self.config
-        return (min(workload.expected_prompt_len or workload.prompt_len, cfg.max_prompt_len),
-                min(workload.expected_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens))
+        longest = min(workload.prompt_len, cfg.max_prompt_len)
+        if workload.expected is None:
+            return ExpectedLengths(prompt=longest, completions=(cfg.max_new_tokens,), source=BUCKETS)
+        return workload.expected.clipped(longest, cfg.max_new_tokens)
 
     def _expected_chunks(self, workload: Workload) -> int:
         """Decode chunks of a step whose samples have the workload's expected lengths: each bank it uses keeps as
         many sequences in flight as it holds (its slots; with paged KV, at most what its pages hold at the mean
         live length, expected_keys, plus a chunk) while samples wait, and decodes its share of their tokens, at
-        least one whole sequence; banks run one after the other. Samples that end early refill at once: the
-        continuous engine's point, which the worst case (_calls_per_step) leaves out."""
+        least its longest sequence (the tail sets the floor); banks run one after the other. Samples that end
+        early refill at once: the continuous engine's point, which the worst case (_calls_per_step) leaves
+        out."""
         cfg = self.config
-        _, new = self.expected_lengths(workload)
+        lengths = self.expected_lengths(workload)
         if workload.samples == 0:
             return 0
         in_flight = self._in_flight(self.expected_keys(workload) + cfg.chunk_steps)
         banks = min(self.num_banks, -(-workload.samples // in_flight))
         per_bank = -(-workload.samples // banks)
-        steps = max(-(-per_bank * (new - 1) // in_flight), new - 1)
+        tokens = math.ceil(per_bank * (lengths.mean_completion - 1))
+        longest = min(lengths.longest_completion, cfg.max_new_tokens) - 1
+        steps = max(-(-tokens // in_flight), longest)
         return banks * max(-(-steps // cfg.chunk_steps), 1)
 
     def programs(self, workload: Workload) -> list[GeneratorProgram]:
@@ -612,7 +617,7 @@ class Engine:
         cfg, full = self.config, self.bank_slots
         sizes, _, admission_rows = self.program_shapes(workload.group_size)
         chunk_calls, admissions = self._calls_per_step(workload.samples, workload.group_size, workload.prompt_len)
-        expected = workload.expected_prompt_len or workload.expected_new_tokens
+        expected = workload.expected is not None
         expected_chunks = self._expected_chunks(workload) if expected else None
         whole = replicated(self.mesh)
         static = self.sampling.static

@@ -20,6 +20,7 @@ import pathlib
 
 from tqdm import tqdm
 
+from grpo_jax.algorithm.lengths import HISTORY_STEPS, QUANTILES, LengthHistory
 from grpo_jax.cleanup import run_all
 from grpo_jax.errors import RunDirError
 from grpo_jax.run.wandb_logger import WandbConfig, WandbLogger
@@ -190,3 +191,23 @@ def read_metrics(run_dir: str | pathlib.Path, name: str = "metrics.jsonl", kind:
         if kind == "all" or is_eval_line(row) == (kind == "eval"):
             rows.append(row)
     return rows
+
+
+def length_history(run_dir: str | pathlib.Path, steps: int = HISTORY_STEPS) -> LengthHistory:
+    """The sample lengths a run's last `steps` learner steps logged (length/quantiles, prompt_length/mean): what
+    optim.expected_lengths_from reads. ValueError, one line naming the file, for a run that logged none."""
+    path = pathlib.Path(run_dir)
+    if path.is_file():
+        path, name = path.parent, path.name
+    else:
+        name = "metrics.jsonl"
+    rows = [r for r in read_metrics(path, name) if isinstance(r.get("length/quantiles"), list)
+            and len(r["length/quantiles"]) == QUANTILES and None not in r["length/quantiles"]][-steps:]
+    where = path / name
+    if not rows:
+        raise ValueError(f"{where}: no learner step logged length/quantiles (runs before this release log only "
+                         "length/mean: set optim.expected_completion_len to it instead)")
+    prompts = [r["prompt_length/mean"] for r in rows if isinstance(r.get("prompt_length/mean"), (int, float))]
+    return LengthHistory(quantiles=tuple(tuple(float(v) for v in r["length/quantiles"]) for r in rows),
+                         prompt_mean=sum(prompts) / len(prompts) if prompts else None,
+                         source=f"{where}, steps {rows[0].get('step')}-{rows[-1].get('step')}")

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.algorithm.batch import BatchLayout, pack_layout, packed_row_sizes, packed_rows_for
 from grpo_jax.algorithm.learner import TrainBatch, jit_train_step, make_optimizer, make_train_step
+from grpo_jax.algorithm.lengths import ExpectedLengths, expected_lengths
 from grpo_jax.errors import ConfigError
 from grpo_jax.model.lora import LoraConfig, init_adapters
 from grpo_jax.model.transformer import DTYPES, ModelConfig, abstract_model
@@ -48,6 +49,7 @@ from grpo_jax.parallel.sharding import (
 )
 from grpo_jax.rollout.weight_sync import WeightSync, narrowed
 from grpo_jax.run.config import Config
+from grpo_jax.run.metrics import length_history
 
 
 def run_model_config(config: Config) -> ModelConfig:
@@ -270,12 +272,21 @@ class RunPlan:
                            trains_segments=self.trains_segments, replays_routing=self.model.replays_routing,
                            pad_id=pad_id)
 
-    @property
-    def expected_lengths(self) -> tuple[int, int]:
-        """(prompt, completion) tokens of the expected sequence (optim.expected_*_len; 0: the buckets)."""
+    @functools.cached_property
+    def expected_lengths(self) -> ExpectedLengths:
+        """The lengths a step's sequences are expected to have, each at most its bucket (algorithm.lengths:
+        optim.expected_lengths_from, a previous run's logged lengths; else optim.expected_*_len; else the
+        buckets). ConfigError, one line naming the key and the file, for a run directory without them."""
         optim = self.config.optim
-        return (min(optim.expected_prompt_len or self.prompt_bucket, self.prompt_bucket),
-                min(optim.expected_completion_len or self.completion_bucket, self.completion_bucket))
+        history = None
+        if optim.expected_lengths_from:
+            try:
+                history = length_history(optim.expected_lengths_from)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"optim.expected_lengths_from={optim.expected_lengths_from!r}: {e}") from None
+        return expected_lengths(prompt_bucket=self.prompt_bucket, completion_bucket=self.completion_bucket,
+                                expected_prompt_len=optim.expected_prompt_len,
+                                expected_completion_len=optim.expected_completion_len, history=history)
 
     @property
     def learner_rows(self) -> int:
@@ -284,13 +295,14 @@ class RunPlan:
 
     @property
     def expected_learner_rows(self) -> int:
-        """The learner batch's rows, all processes, when every sequence has the expected lengths (packed: each
-        process's sequences packed by batch.pack_layout, then rounded up to a size; padded: one per sequence)."""
+        """The learner batch's rows, all processes, when the sequences have the expected lengths (packed: each
+        process's sequences, their completions spread over the profile (ExpectedLengths.for_sequences), packed by
+        batch.pack_layout, then rounded up to a size; padded: one per sequence)."""
         if not self.packing:
             return self.rows
-        prompt, completion = self.expected_lengths
+        lengths = self.expected_lengths
         sequences = self.local_prompts * self.config.grpo.group_size
-        layout = pack_layout([prompt] * sequences, [max(completion, 1)] * sequences, self.row_length,
+        layout = pack_layout([lengths.prompt] * sequences, lengths.for_sequences(sequences), self.row_length,
                              self.completion_bucket, self.config.optim.mini_batches)
         return self.processes * self.packed_rows(layout.rows)
 

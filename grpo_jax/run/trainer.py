@@ -50,6 +50,7 @@ from grpo_jax.algorithm.batch import (  # group_rows .. row_validity: also impor
     sequences_of,
 )
 from grpo_jax.algorithm.learner import Learner, TrainBatch
+from grpo_jax.algorithm.lengths import length_quantiles
 from grpo_jax.algorithm.rewards import RewardSuite
 from grpo_jax.cleanup import run_all
 from grpo_jax.config_io import ConfigError, config_to_dict, save_config
@@ -795,8 +796,9 @@ class Trainer:
         if groups:
             rewards = np.concatenate([grp.rewards if grp.valid is None else grp.rewards[grp.valid] for grp in groups])
             lengths = np.concatenate([sample_lengths(grp) for grp in groups])
+            prompt_lengths = [len(grp.prompt["prompt_ids"]) for grp in groups]
         else:  # several processes, the end of the data: this one only padded
-            rewards, lengths = np.array([np.nan]), np.array([0])
+            rewards, lengths, prompt_lengths = np.array([np.nan]), np.array([0]), [0]
         kl = metrics.get("kl/mean", metrics.get("tis/mismatch_kl", 0.0))
         counts = self.collector.counts()
         metrics.update({
@@ -804,6 +806,7 @@ class Trainer:
             "reward/min": float(rewards.min()), "kl": float(kl),
             "staleness/mean": float(np.mean(staleness)), "staleness/max": int(np.max(staleness)),
             "staleness/values": staleness, "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
+            "length/quantiles": length_quantiles(lengths), "prompt_length/mean": float(np.mean(prompt_lengths)),
             "time/learner_s": learn_seconds,
             "zero_variance_groups": int(sum(grp.zero_variance for grp in groups)),
             "frontier": counts["frontier"], "dropped": sum(counts["dropped"].values()),
