@@ -161,6 +161,25 @@ def test_paged_attention_gathers_what_dense_attention_reads():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,rows,staged", [(jnp.bfloat16, 5, None), (jnp.float32, 12, 3)])
+def test_the_page_write_kernel_writes_what_the_scatter_writes(monkeypatch, dtype, rows, staged):
+    """model.page_writes.write_rows (interpreted on CPU) against the scatter, on random pages, rows and offsets;
+    with a small VMEM budget the rows go in several calls (3 rows x 2 heads x (16 + 8) x 128 x 4 bytes each)."""
+    from grpo_jax.model import page_writes
+
+    if staged:
+        monkeypatch.setattr(page_writes, "STAGED_VMEM_BYTES", staged * 2 * (16 + 8) * 128 * 4)
+        assert page_writes.rows_per_call(rows, 2, 16, 128, 4) == staged
+    rng = np.random.default_rng(rows)
+    pages = jnp.asarray(rng.normal(size=(2, 20, 16, 128)), dtype)
+    page = jnp.asarray(rng.choice(20, rows, replace=False), jnp.int32)
+    offset = jnp.asarray(rng.integers(0, 16, rows), jnp.int32)
+    new = jnp.asarray(rng.normal(size=(rows, 2, 128)), jnp.float32)
+    got = page_writes.write_rows(pages, page, offset, new, interpret=True)
+    want = pages.at[:, page, offset].set(new.swapaxes(0, 1).astype(dtype))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
     """Compiled for 4 v5e chips (fsdp 2 x tensor 2), the paged engine's decode chunk reads its pages through the
     paged-attention kernel (in a shard_map over the cache heads), its pool split over tensor; the compile command
@@ -195,7 +214,10 @@ def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
         chunk = next(p for p in programs if p.name == "engine chunk")
         with without_jax_cache():
             text = chunk.jitted.lower(*chunk.args, **chunk.kwargs).compile().as_text()
-        assert "tpu_custom_call" in text and "paged_attention" in text
+        assert "tpu_custom_call" in text and "paged_attention" in text and "write_rows" in text
+        # The new keys go into the pool in its own layout: no copy of a pool (XLA's scatter made four per layer).
+        pool_shape = "bf16[" + ",".join(map(str, pool.shape)) + "]"
+        assert not [line for line in text.splitlines() if f"= {pool_shape}" in line and " copy(" in line]
         # The compile command's cost of one decode step: the kernel at every page of a row (the worst case) and
         # at the keys a sequence holds on average (64 + 64 / 2 = 96 of 256), from the scope the kernel names.
         steps = [p for p in programs if p.name == "engine chunk" and p.cost_part]

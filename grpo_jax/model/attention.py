@@ -119,14 +119,49 @@ class PagedKV:
     def page_size(self) -> int:
         return self.k_pages.shape[2]
 
-    def written(self, k: jax.Array, v: jax.Array) -> PagedKV:
-        """This step's keys and values [B, C, 1, D] written at each row's position lengths - 1."""
+    def written(self, k: jax.Array, v: jax.Array, impl: str = "scatter") -> PagedKV:
+        """This step's keys and values [B, C, 1, D] written at each row's position lengths - 1. impl: "kernel"
+        (TPU: model.page_writes.write_rows, in place in the pool's layout, under shard_map over the cache heads as
+        paged_attention's kernel) or "scatter" (XLA's scatter; on TPU it copies the pool to another layout and
+        back)."""
         offset = (self.lengths - 1) % self.page_size
+        if impl == "kernel":
+            from grpo_jax.model.page_writes import write_rows
+
+            def write_both(k_pages, v_pages, page, offset, k, v):
+                return write_rows(k_pages, page, offset, k[:, :, 0]), write_rows(v_pages, page, offset, v[:, :, 0])
+
+            heads_axis = kernel_heads_axis(k.shape[1])
+            k_pages, v_pages = on_cache_heads(
+                write_both, (PartitionSpec(heads_axis), PartitionSpec(heads_axis), PartitionSpec(), PartitionSpec(),
+                             PartitionSpec(None, heads_axis), PartitionSpec(None, heads_axis)),
+                (PartitionSpec(heads_axis), PartitionSpec(heads_axis)),
+                self.k_pages, self.v_pages, self.write_page, offset, k, v)
+            return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        if impl != "scatter":
+            raise ValueError(f"paged write: impl={impl!r}; allowed 'kernel', 'scatter'")
 
         def write(pages, new):  # indexing puts the [B] index dims first after the leading slice: [C, B, D]
             return pages.at[:, self.write_page, offset].set(new[:, :, 0].swapaxes(0, 1).astype(pages.dtype))
 
         return dataclasses.replace(self, k_pages=write(self.k_pages, k), v_pages=write(self.v_pages, v))
+
+
+def kernel_heads_axis(heads: int) -> str | None:
+    """The mesh axis a Pallas kernel over `heads` cache heads splits them on: tensor where it divides them, else
+    none (the heads whole on every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 0 if mesh.empty or "tensor" not in mesh.axis_names else mesh.shape["tensor"]
+    return "tensor" if tensor > 1 and heads % tensor == 0 else None
+
+
+def on_cache_heads(fn, in_specs: tuple, out_specs, *args):
+    """fn(*args) run as is on one device, or under shard_map with these specs on a multi-device mesh: XLA cannot
+    partition a Pallas kernel, so each device runs it on its own cache heads (kernel_heads_axis), rows whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def paged_attention(q, cache: PagedKV, scale: float, *, impl: str = "gather"):
@@ -162,16 +197,10 @@ def paged_attention(q, cache: PagedKV, scale: float, *, impl: str = "gather"):
                    page_table[r:r + rows_per_call], pages_per_compute_block=per_block)
             for r in range(0, b, rows_per_call)])
 
-    mesh = jax.sharding.get_abstract_mesh()
-    tensor = 0 if mesh.empty or "tensor" not in mesh.axis_names else mesh.shape["tensor"]
-    if mesh.empty or mesh.size == 1:
-        out = run(heads, cache.k_pages, cache.v_pages, cache.lengths, cache.page_table)
-    else:  # a Pallas kernel cannot be partitioned by XLA: its heads split over tensor (where they divide), rows whole
-        heads_axis = "tensor" if tensor > 1 and c % tensor == 0 else None
-        out = jax.shard_map(run, in_specs=(PartitionSpec(None, heads_axis), PartitionSpec(heads_axis),
-                                           PartitionSpec(heads_axis), PartitionSpec(), PartitionSpec()),
-                            out_specs=PartitionSpec(None, heads_axis), check_vma=False)(
-            heads, cache.k_pages, cache.v_pages, cache.lengths, cache.page_table)
+    heads_axis = kernel_heads_axis(c)
+    out = on_cache_heads(run, (PartitionSpec(None, heads_axis), PartitionSpec(heads_axis), PartitionSpec(heads_axis),
+                               PartitionSpec(), PartitionSpec()), PartitionSpec(None, heads_axis),
+                         heads, cache.k_pages, cache.v_pages, cache.lengths, cache.page_table)
     return out.astype(q.dtype).reshape(b, c, g, 1, d)
 
 

@@ -428,8 +428,9 @@ class Attention(nnx.Module):
             if heads != k.shape[1]:  # a cache holding each KV head repeated (init_cache's `heads`)
                 repeats = heads // k.shape[1]
                 k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
+        platform = target_platform()
         if paged:
-            cache = cache.written(k, v)
+            cache = cache.written(k, v, impl="kernel" if platform == "tpu" else "scatter")
         elif cache is not None:
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, write_index, 0))
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, write_index, 0))
@@ -439,7 +440,6 @@ class Attention(nnx.Module):
         # Queries as [B, KV, G, T, D], the attention's batch dims leading; its output in that order, then
         # transposed: asking XLA for btkgd directly picked a slow dot.
         q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
-        platform = target_platform()
         if paged:
             out = paged_attention(q, cache, self.scale, impl="kernel" if platform == "tpu" else "gather")
         else:
