@@ -4,6 +4,7 @@ the page pool's invariants on random workloads; decode attention over pages equa
 and the TPU kernel path compiles."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,40 @@ def test_the_page_write_kernel_writes_what_the_scatter_writes(monkeypatch, dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_on_a_tpu_chip_with_several_cache_heads_the_page_writes_copy_no_pool():
+    """Two cache heads a chip: XLA's scatter wanted the pool in another layout than the paged-attention kernel
+    reads, so each layer copied its pool there and back every step; the page-write kernel writes in place."""
+    from grpo_jax.planning.compile import without_jax_cache
+    from grpo_jax.planning.topology import tpu_topology
+
+    c, n, page, d, b, per_row = 2, 4097, 16, 128, 64, 32
+    pool_shape = f"bf16[{c},{n},{page},{d}]"
+
+    def two_layers(impl, q, k_pages, v_pages, table, lengths, new):
+        def layer(carry, _):
+            k_pages, v_pages, q = carry
+            cache = PagedKV(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths,
+                            write_page=table[:, 0]).written(new, new, impl=impl)
+            out = paged_attention(q, cache, 0.1, impl="kernel")
+            return (cache.k_pages, cache.v_pages, q + out), None
+
+        return jax.lax.scan(layer, (k_pages, v_pages, q), None, length=2)[0]
+
+    with without_jax_cache():
+        device = tpu_topology("v5e:1x1").devices[0]
+        whole = jax.sharding.SingleDeviceSharding(device)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
+        args = (sds((b, c, 1, 1, d), jnp.bfloat16), sds((c, n, page, d), jnp.bfloat16),
+                sds((c, n, page, d), jnp.bfloat16), sds((b, per_row), jnp.int32), sds((b,), jnp.int32),
+                sds((b, c, 1, d), jnp.bfloat16))
+        copies = {}
+        for impl in ("scatter", "kernel"):
+            step = jax.jit(functools.partial(two_layers, impl), donate_argnums=(1, 2))
+            text = step.lower(*args).compile().as_text()
+            copies[impl] = sum(f"= {pool_shape}" in line and " copy(" in line for line in text.splitlines())
+    assert copies["scatter"] > 0 and copies["kernel"] == 0
+
+
 def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
     """Compiled for 4 v5e chips (fsdp 2 x tensor 2), the paged engine's decode chunk reads its pages through the
     paged-attention kernel (in a shard_map over the cache heads), its pool split over tensor; the compile command
@@ -214,8 +249,8 @@ def test_on_tpu_chips_the_paged_decode_chunk_runs_the_paged_attention_kernel():
         chunk = next(p for p in programs if p.name == "engine chunk")
         with without_jax_cache():
             text = chunk.jitted.lower(*chunk.args, **chunk.kwargs).compile().as_text()
-        assert "tpu_custom_call" in text and "paged_attention" in text and "write_rows" in text
-        # The new keys go into the pool in its own layout: no copy of a pool (XLA's scatter made four per layer).
+        assert "tpu_custom_call" in text and "paged_attention" in text
+        # One cache head a device: the scatter writes the new keys in the pool's own layout, no copy of a pool.
         pool_shape = "bf16[" + ",".join(map(str, pool.shape)) + "]"
         assert not [line for line in text.splitlines() if f"= {pool_shape}" in line and " copy(" in line]
         # The compile command's cost of one decode step: the kernel at every page of a row (the worst case) and

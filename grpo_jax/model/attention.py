@@ -122,23 +122,27 @@ class PagedKV:
     def written(self, k: jax.Array, v: jax.Array, impl: str = "scatter") -> PagedKV:
         """This step's keys and values [B, C, 1, D] written at each row's position lengths - 1. impl: "kernel"
         (TPU: model.page_writes.write_rows, in place in the pool's layout, under shard_map over the cache heads as
-        paged_attention's kernel) or "scatter" (XLA's scatter; on TPU it copies the pool to another layout and
-        back)."""
+        paged_attention's kernel, where a device holds several cache heads) or "scatter" (XLA's scatter; on TPU,
+        with several heads a device, it copies the pool to another layout and back)."""
         offset = (self.lengths - 1) % self.page_size
-        if impl == "kernel":
+        heads_axis = kernel_heads_axis(k.shape[1])
+        mesh = jax.sharding.get_abstract_mesh()
+        local_heads = k.shape[1] // (mesh.shape["tensor"] if heads_axis else 1)
+        # One cache head a device: the scatter's layout is the pool's (the head dim is 1), and it writes only the
+        # new rows, not their whole pages.
+        if impl == "kernel" and local_heads > 1:
             from grpo_jax.model.page_writes import write_rows
 
             def write_both(k_pages, v_pages, page, offset, k, v):
                 return write_rows(k_pages, page, offset, k[:, :, 0]), write_rows(v_pages, page, offset, v[:, :, 0])
 
-            heads_axis = kernel_heads_axis(k.shape[1])
             k_pages, v_pages = on_cache_heads(
                 write_both, (PartitionSpec(heads_axis), PartitionSpec(heads_axis), PartitionSpec(), PartitionSpec(),
                              PartitionSpec(None, heads_axis), PartitionSpec(None, heads_axis)),
                 (PartitionSpec(heads_axis), PartitionSpec(heads_axis)),
                 self.k_pages, self.v_pages, self.write_page, offset, k, v)
             return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
-        if impl != "scatter":
+        if impl not in ("kernel", "scatter"):
             raise ValueError(f"paged write: impl={impl!r}; allowed 'kernel', 'scatter'")
 
         def write(pages, new):  # indexing puts the [B] index dims first after the leading slice: [C, B, D]
