@@ -61,6 +61,11 @@ class ExpectedLengths:
             raise ValueError(f"ExpectedLengths: prompt={self.prompt}, completions={self.completions}: every length "
                              "must be >= 1")
 
+    @classmethod
+    def at_buckets(cls, prompt: int, new: int) -> ExpectedLengths:
+        """Every sequence at its longest: `prompt` + `new` tokens (the worst case; given is False)."""
+        return cls(prompt=prompt, completions=(new,), source=BUCKETS)
+
     @property
     def mean_completion(self) -> float:
         return float(np.mean(self.completions))
@@ -130,7 +135,8 @@ def expected_lengths(*, prompt_bucket: int, completion_bucket: int, expected_pro
         prompt = expected_prompt_len or logged or prompt_bucket
         return ExpectedLengths(prompt=prompt, completions=pooled_lengths(history.quantiles),
                                source=history.source).clipped(prompt_bucket, completion_bucket)
-    source = "optim.expected_*_len" if expected_prompt_len or expected_completion_len else BUCKETS
+    if not (expected_prompt_len or expected_completion_len):
+        return ExpectedLengths.at_buckets(prompt_bucket, completion_bucket)
     return ExpectedLengths(prompt=expected_prompt_len or prompt_bucket,
                            completions=(expected_completion_len or completion_bucket,),
-                           source=source).clipped(prompt_bucket, completion_bucket)
+                           source="optim.expected_*_len").clipped(prompt_bucket, completion_bucket)

@@ -124,10 +124,11 @@ class PagedKV:
         (TPU: model.page_writes.write_rows, in place in the pool's layout, under shard_map over the cache heads as
         paged_attention's kernel, where a device holds several cache heads) or "scatter" (XLA's scatter; on TPU,
         with several heads a device, it copies the pool to another layout and back)."""
+        if impl not in ("kernel", "scatter"):
+            raise ValueError(f"paged write: impl={impl!r}; allowed 'kernel', 'scatter'")
         offset = (self.lengths - 1) % self.page_size
         heads_axis = kernel_heads_axis(k.shape[1])
-        mesh = jax.sharding.get_abstract_mesh()
-        local_heads = k.shape[1] // (mesh.shape["tensor"] if heads_axis else 1)
+        local_heads = k.shape[1] // (jax.sharding.get_abstract_mesh().shape["tensor"] if heads_axis else 1)
         # One cache head a device: the scatter's layout is the pool's (the head dim is 1), and it writes only the
         # new rows, not their whole pages.
         if impl == "kernel" and local_heads > 1:
@@ -142,8 +143,6 @@ class PagedKV:
                 (PartitionSpec(heads_axis), PartitionSpec(heads_axis)),
                 self.k_pages, self.v_pages, self.write_page, offset, k, v)
             return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
-        if impl not in ("kernel", "scatter"):
-            raise ValueError(f"paged write: impl={impl!r}; allowed 'kernel', 'scatter'")
 
         def write(pages, new):  # indexing puts the [B] index dims first after the leading slice: [C, B, D]
             return pages.at[:, self.write_page, offset].set(new[:, :, 0].swapaxes(0, 1).astype(pages.dtype))

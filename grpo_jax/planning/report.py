@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_jax.algorithm.lengths import BUCKETS, ExpectedLengths
+from grpo_jax.algorithm.lengths import ExpectedLengths
 from grpo_jax.errors import UserError
 from grpo_jax.model.transformer import ModelConfig
 from grpo_jax.planning.programs import Program, Transfer, refusal_excess
@@ -65,7 +65,7 @@ def model_flops_per_step(config: Config, model: ModelConfig, param_count: int,
     prompt = min(config.data.max_prompt_len, config.sampler.max_prompt_len)
     new = config.sampler.max_new_tokens
     optim = config.optim
-    buckets = ExpectedLengths(prompt=prompt, completions=(new,), source=BUCKETS)
+    buckets = ExpectedLengths.at_buckets(prompt, new)
     lengths = buckets if lengths is None else lengths.clipped(prompt, new)
     head = model.hidden_size * model.vocab_size
     # The embedding lookup does no matmul; a token goes through its experts only (active parameters).

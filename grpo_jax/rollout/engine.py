@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_jax.algorithm.lengths import BUCKETS, ExpectedLengths
+from grpo_jax.algorithm.lengths import ExpectedLengths
 from grpo_jax.algorithm.sampling import sample_logits
 from grpo_jax.model.attention import AttentionMask, PagedKV
 from grpo_jax.model.transformer import positions_from_mask, rope_inverse_frequencies
@@ -578,7 +578,7 @@ class Engine:
         cfg = self.config
         longest = min(workload.prompt_len, cfg.max_prompt_len)
         if workload.expected is None:
-            return ExpectedLengths(prompt=longest, completions=(cfg.max_new_tokens,), source=BUCKETS)
+            return ExpectedLengths.at_buckets(longest, cfg.max_new_tokens)
         return workload.expected.clipped(longest, cfg.max_new_tokens)
 
     def _expected_chunks(self, workload: Workload) -> int:
@@ -596,8 +596,7 @@ class Engine:
         banks = min(self.num_banks, -(-workload.samples // in_flight))
         per_bank = -(-workload.samples // banks)
         tokens = math.ceil(per_bank * (lengths.mean_completion - 1))
-        longest = min(lengths.longest_completion, cfg.max_new_tokens) - 1
-        steps = max(-(-tokens // in_flight), longest)
+        steps = max(-(-tokens // in_flight), lengths.longest_completion - 1)
         return banks * max(-(-steps // cfg.chunk_steps), 1)
 
     def programs(self, workload: Workload) -> list[GeneratorProgram]:
