@@ -1,6 +1,6 @@
-"""The public chat templates of Qwen2.5, Qwen3, Qwen3-Instruct-2507 and Llama 3.1 (tokenizer_config.json's
-`chat_template`, as the models ship them), for tests that compare grpo_jax's renderers with them; Gemma 3's is in
-test_tokenizer.py.
+"""The public chat templates of Qwen2.5, Qwen3, Qwen3-Instruct-2507, Llama 3.1 and SmolLM2-Instruct
+(tokenizer_config.json's `chat_template`, as the models ship them; SmolLM2's as its GGUF file carries it), for tests
+that compare grpo_jax's renderers with them; Gemma 3's is in test_tokenizer.py.
 Raw strings: the templates' own escapes (\\n inside their string literals) are jinja's to read."""
 
 QWEN25_TEMPLATE = r"""{%- if tools %}
@@ -329,3 +329,11 @@ QWEN2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]
                   "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
                   "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+# SmolLM2-135M/360M/1.7B-Instruct: ChatML with a default system message of its own, and no tool format.
+SMOLLM2_TEMPLATE = r"""{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+' }}{% endif %}{{'<|im_start|>' + message['role'] + '
+' + message['content'] + '<|im_end|>' + '
+'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant
+' }}{% endif %}"""

@@ -555,6 +555,9 @@ class Tokenizer:
                                          tools=tools, documents=None, **variables, **kwargs)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.source}: chat_template failed: {e}") from e
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError) as e:
+            # A template's own expression failing on these messages ("a" + dict, a missing key): the same verdict.
+            raise ValueError(f"{self.source}: chat_template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     **kwargs) -> tuple[str, list[int]]:

@@ -47,7 +47,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from grpo_jax.config_io import config_key
-from grpo_jax.envs.render import ENVIRONMENT_ROLES, RENDERERS, AssistantTurn, check_messages
+from grpo_jax.envs.render import ENVIRONMENT_ROLES, RENDERER_NAMES, TEMPLATE, AssistantTurn, check_messages
 from grpo_jax.envs.tools import Tool, ToolError, is_int, is_number
 from grpo_jax.errors import ConfigError
 from grpo_jax.plugins import ImportPathError, import_object
@@ -173,9 +173,13 @@ class EnvConfig:
                                       "(per process); more threads stuck in calls past step_timeout_s than this stop "
                                       "the run.")
     step_timeout_s: float = config_key(30.0, "The longest one reset, step, reward or close may take.")
-    renderer: str = config_key("", "The chat format that turns messages into ids (RENDERERS: qwen2, qwen3, llama3, "
-                                   "gemma3, compact); '': the model's own, from model.architecture (renderer_for).")
-    renderer_options: dict = config_key(help="Options of the renderer, e.g. {enable_thinking: false} for qwen3.",
+    renderer: str = config_key("", "The chat format that turns messages into ids: a family's (qwen2, qwen3, "
+                                   "qwen3_instruct, llama3, gemma3, compact) or template (the checkpoint's own chat "
+                                   "template); '': the model family's where it renders as the checkpoint's template "
+                                   "does, else template (render.renderer_for_run).")
+    renderer_options: dict = config_key(help="Options of the renderer, e.g. {enable_thinking: false} for qwen3; for "
+                                             "template: tool_format (auto, template, folded), tool_parser (auto, "
+                                             "hermes, llama_json, mistral, none), and the template's own variables.",
                                         default_factory=dict)
     shared_seed: bool = config_key(True, "The G episodes of a prompt reset with one seed (the same task instance: "
                                          "advantages compare answers to the same question); false: each episode "
@@ -204,8 +208,9 @@ class EnvConfig:
                 problems.append(f"{key}={value!r}: must be an integer >= 1 ({meaning})")
         if not (is_number(self.step_timeout_s) and 0 < self.step_timeout_s < math.inf):
             problems.append(f"step_timeout_s={self.step_timeout_s!r}: must be a number of seconds > 0")
-        if self.renderer and self.renderer not in RENDERERS:
-            problems.append(f"renderer={self.renderer!r}: allowed {', '.join(RENDERERS)}, or '' for the model's own")
+        if self.renderer and self.renderer not in RENDERER_NAMES:
+            problems.append(f"renderer={self.renderer!r}: allowed {', '.join(RENDERER_NAMES)}, or '' for the "
+                            "model's own")
         if not isinstance(self.renderer_options, dict):
             problems.append(f"renderer_options={self.renderer_options!r}: a mapping of the renderer's options")
         if not isinstance(self.shared_seed, bool):
@@ -225,13 +230,9 @@ ARCHITECTURE_RENDERERS = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen
 
 
 def renderer_family(config: EnvConfig, architecture: str) -> str:
-    """The renderer family a run uses: env.renderer, else the model architecture's."""
-    if config.renderer:
-        return config.renderer
-    if architecture not in ARCHITECTURE_RENDERERS:
-        raise ConfigError(f"env.renderer='': model.architecture={architecture!r} has no renderer of its own; set "
-                          f"env.renderer to one of {', '.join(RENDERERS)}")
-    return ARCHITECTURE_RENDERERS[architecture]
+    """The renderer a run asks for: env.renderer, else the model architecture's family, else the template
+    renderer (an architecture no family renderer covers)."""
+    return config.renderer or ARCHITECTURE_RENDERERS.get(architecture, TEMPLATE)
 
 
 def make_environment(config: EnvConfig) -> Environment:

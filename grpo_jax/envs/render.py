@@ -20,8 +20,9 @@ How: each family's `render` is its chat template written in Python; the tests re
 with the real templates (Tokenizer.apply_chat_template, tools included) and require the same ids.
 `template_conversation` and `template_variables` give the conversation and the variables as the model's own
 template takes them, and a run's renderer is checked against the checkpoint's template on a probe conversation
-(`renderer_for_run`, `template_difference`): env.renderer='' takes the renderer that fits it, an explicit one that
-does not fit is refused in one line naming where the ids differ.
+(`renderer_for_run`, `template_difference`): env.renderer='' takes the family renderer that fits it, else the
+`template` renderer (grpo_jax.envs.template_renderer: the checkpoint's own Jinja template, what it needs learned
+from probes); an explicit one that does not fit is refused in one line naming where the ids differ.
 
 Text from outside is text: initial_ids and append_ids guard every message's strings and the tool schemas
 (Tokenizer.guard), so a special token's spelling in them (a tool result spelling `<|im_end|>`) is encoded as text
@@ -53,7 +54,7 @@ Families (`RENDERERS`):
   Qwen's tool instructions folded into the first user turn (as the template folds a system message), calls
   as Qwen's <tool_call> blocks in the model turn, and the environment's messages of one step merged into one
   user turn (the template needs user and model turns to alternate): each tool result as a <tool_response>
-  block, each user message as it is, joined by "\\n". `template_messages` gives the conversation in that form,
+  block, each user message as it is, joined by "\\n". `folded_messages` gives the conversation in that form,
   as Gemma's own template takes it. Arguments given as a JSON string are written as they are (Qwen3's rule).
 - compact: grpo_jax's own short format, for tiny models trained from scratch with the word-level tokenizer
   `synthetic_chat` (Tokenizer.synthetic_chat), where a whole tool call is a few tokens. Each message is its role
@@ -165,7 +166,7 @@ def _calls(message: dict) -> list[tuple[str, dict | str]]:
     return out
 
 
-def _message_calls(calls: Sequence[ToolCall]) -> list[dict]:
+def message_calls(calls: Sequence[ToolCall]) -> list[dict]:
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
@@ -181,7 +182,7 @@ def _qwen_tools_text(tools: list[dict]) -> str:
     return _QWEN_TOOLS_HEAD + "".join("\n" + _tojson(t) for t in tools) + _QWEN_TOOLS_TAIL
 
 
-def _read_call(body: str, arguments_keys: tuple[str, ...], where: str) -> tuple[ToolCall | None, str | None]:
+def read_call(body: str, arguments_keys: tuple[str, ...], where: str) -> tuple[ToolCall | None, str | None]:
     """A call's JSON object {"name": str, <arguments key>: object} as a ToolCall, or why it is not one."""
     try:
         value = loads(body.strip())
@@ -214,7 +215,7 @@ def _parse_tagged_calls(text: str) -> tuple[str, list[ToolCall], str | None]:
         if "</tool_call>" not in chunk:
             errors.append(f"tool call {number}: no closing </tool_call>")
             continue
-        call, error = _read_call(chunk.split("</tool_call>")[0], ("arguments", "parameters"), f"tool call {number}")
+        call, error = read_call(chunk.split("</tool_call>")[0], ("arguments", "parameters"), f"tool call {number}")
         if call is not None:
             calls.append(call)
         else:
@@ -247,6 +248,9 @@ class Renderer(abc.ABC):
                               f"{self.end_of_turn[0]} (an added token that strips the text after it?), so the ids "
                               "after a turn cannot be encoded on their own")
 
+    def __repr__(self):
+        return repr(self.family)
+
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.end_of_turn_ids + self.end_of_text_ids
@@ -270,9 +274,11 @@ class Renderer(abc.ABC):
     def render(self, messages: Sequence[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         """The conversation as the family's chat template renders it (tools: schemas, or None)."""
 
-    def render_as_sampled(self, history: Sequence[dict], tools: list[dict] | None) -> str:
+    def render_as_sampled(self, history: Sequence[dict], tools: list[dict] | None, sampled: str | None = None) -> str:
         """`history`, whose last turn the model sampled, as the ids it holds: the render of the turns before
-        it with the generation prompt, then that turn. For most templates the render of the whole history."""
+        it with the generation prompt, then that turn. For most templates the render of the whole history.
+        sampled: that turn's text as sampled (AssistantTurn.text), which a family renderer's parse and render give
+        back, so it renders the turn from its message; the template renderer writes the text itself."""
         return self.render(history, tools, add_generation_prompt=False)
 
     @abc.abstractmethod
@@ -300,19 +306,20 @@ class Renderer(abc.ABC):
         return self.parse_text(self.tokenizer.decode(ids, skip_special_tokens=False), finish)
 
     def append_ids(self, history: Sequence[dict], new_messages: Sequence[dict],
-                   tools: Sequence[Tool | dict] | None = None) -> list[int] | CannotExtend:
+                   tools: Sequence[Tool | dict] | None = None, sampled: str | None = None) -> list[int] | CannotExtend:
         """The ids that follow the last (sampled) assistant turn of `history` once the environment said
         `new_messages`: end-of-turn glue, the messages, the next generation prompt. CannotExtend when the
-        template then renders the history differently."""
+        template then renders the history differently. sampled: the last turn's text as sampled
+        (render_as_sampled)."""
         check_messages(history, "history")
         check_messages(new_messages, "new_messages", ENVIRONMENT_ROLES)
         if not history or history[-1]["role"] != "assistant":
             raise ValueError("history must end with the assistant turn the new messages answer")
         # One guard for both renders: their placeholders are the same, so the prefix test holds as without them.
-        (history, new_messages, schemas), guard = self.tokenizer.guard(
-            (list(history), list(new_messages), tool_schemas(tools)))
+        (history, new_messages, schemas, sampled), guard = self.tokenizer.guard(
+            (list(history), list(new_messages), tool_schemas(tools), sampled))
         restore = guard.restore if guard is not None else (lambda text: text)
-        before = self.render_as_sampled(history, schemas)
+        before = self.render_as_sampled(history, schemas, sampled)
         after = self.render([*history, *new_messages], schemas, add_generation_prompt=True)
         if not before.endswith(self.end_of_turn[0] + self.glue):
             raise ValueError(f"{self.family}: the history's render does not end with {self.end_of_turn[0]!r} + "
@@ -366,15 +373,15 @@ class Qwen2Renderer(Renderer):
         return "".join(out)
 
     def parse_text(self, text, finish):
-        return _tagged_turn(text, finish)
+        return tagged_turn(text, finish)
 
 
-def _tagged_turn(text: str, finish: str) -> AssistantTurn:
+def tagged_turn(text: str, finish: str) -> AssistantTurn:
     """An assistant turn whose calls are <tool_call> blocks (Qwen's format; Gemma 3's here)."""
     content, calls, error = _parse_tagged_calls(text)
     message = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = _message_calls(calls)
+        message["tool_calls"] = message_calls(calls)
     return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
                          message=message)
 
@@ -411,7 +418,7 @@ class Qwen3Renderer(Renderer):
     def template_variables(self) -> dict:
         return {"enable_thinking": self.enable_thinking} if self.thinking_template else {}
 
-    def render_as_sampled(self, history, tools):
+    def render_as_sampled(self, history, tools, sampled=None):
         # The template writes its last turn with a <think> block, empty when the turn has no reasoning, but the
         # generation prompt of thinking mode writes none: a turn sampled without one holds no such block.
         if self.thinks and "reasoning_content" not in history[-1] and "</think>" not in history[-1]["content"]:
@@ -463,7 +470,7 @@ class Qwen3Renderer(Renderer):
 
     def parse_text(self, text, finish):
         if not self.thinking_template:  # the template writes a turn's text as it is, </think> or not
-            return _tagged_turn(text, finish)
+            return tagged_turn(text, finish)
         reasoning, answer = None, text
         if "</think>" in text:  # as the template reads a turn's reasoning out of its content
             reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
@@ -473,7 +480,7 @@ class Qwen3Renderer(Renderer):
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if calls:
-            message["tool_calls"] = _message_calls(calls)
+            message["tool_calls"] = message_calls(calls)
         return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error,
                              reasoning=reasoning, finish=finish, message=message)
 
@@ -548,25 +555,65 @@ class Llama3Renderer(Renderer):
         return "".join(out)
 
     def parse_text(self, text, finish):
-        body = text.removeprefix("<|python_tag|>")
-        plain = {"role": "assistant", "content": text}
-        if body == text and not body.lstrip().startswith("{"):
-            return AssistantTurn(text=text, content=text, finish=finish, message=plain)
-        # After <|python_tag|>, or JSON from the first character: the model meant a call.
-        try:
-            _, end = loads_prefix(body.strip())
-        except JSONTextError as e:
-            return AssistantTurn(text=text, content=text, parse_error=f"tool call: {e}",
-                                 finish=finish, message=plain)
-        if body.strip()[end:].strip():
-            return AssistantTurn(text=text, content=text, finish=finish, message=plain,
-                                 parse_error="tool call: text after the call's JSON object; Llama 3.1's template "
-                                             "writes one call per turn, alone")
-        call, error = _read_call(body, ("parameters", "arguments"), "tool call")
-        if call is None:
-            return AssistantTurn(text=text, content=text, parse_error=error, finish=finish, message=plain)
-        message = {"role": "assistant", "content": "", "tool_calls": _message_calls([call])}
-        return AssistantTurn(text=text, content="", tool_calls=(call,), finish=finish, message=message)
+        return json_call_turn(text, finish)
+
+
+def json_call_turn(text: str, finish: str) -> AssistantTurn:
+    """Llama 3.1's calls: one {"name", "parameters"} JSON object alone in the turn, after <|python_tag|> or
+    not (a turn of text otherwise)."""
+    body = text.removeprefix("<|python_tag|>")
+    plain = {"role": "assistant", "content": text}
+    if body == text and not body.lstrip().startswith("{"):
+        return AssistantTurn(text=text, content=text, finish=finish, message=plain)
+    # After <|python_tag|>, or JSON from the first character: the model meant a call.
+    try:
+        _, end = loads_prefix(body.strip())
+    except JSONTextError as e:
+        return AssistantTurn(text=text, content=text, parse_error=f"tool call: {e}",
+                             finish=finish, message=plain)
+    if body.strip()[end:].strip():
+        return AssistantTurn(text=text, content=text, finish=finish, message=plain,
+                             parse_error="tool call: text after the call's JSON object; Llama 3.1's template "
+                                         "writes one call per turn, alone")
+    call, error = read_call(body, ("parameters", "arguments"), "tool call")
+    if call is None:
+        return AssistantTurn(text=text, content=text, parse_error=error, finish=finish, message=plain)
+    message = {"role": "assistant", "content": "", "tool_calls": message_calls([call])}
+    return AssistantTurn(text=text, content="", tool_calls=(call,), finish=finish, message=message)
+
+
+def folded_messages(messages: Sequence[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation in grpo_jax's folded tool form, for a chat template without tools (Gemma 3's, and the
+    template renderer's for such templates): a system message, then user and assistant messages of plain text
+    (alternating where the environment says one thing per step): Qwen's tool instructions joined to the system
+    message, tool calls written into the assistant's text as <tool_call> blocks, each run of tool and user messages
+    merged into one user message (a result as a <tool_response> block, the pieces joined by "\\n")."""
+    out, rest = [], list(messages)
+    system = []
+    if rest and rest[0]["role"] == "system":
+        system.append(rest.pop(0)["content"])
+    if tools:
+        system.append(_qwen_tools_text(tools))
+    if system:
+        out.append({"role": "system", "content": "\n\n".join(system)})
+    merging = False  # the last message of `out` is a user message that more user/tool messages join
+    for i, message in enumerate(rest):
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            calls = [_qwen_call_text(name, arguments, True) for name, arguments in _calls(message)]
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
+            merging = False
+        elif role in ("user", "tool"):
+            piece = content if role == "user" else "<tool_response>\n" + content + "\n</tool_response>"
+            if merging:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + piece}
+            else:
+                out.append({"role": "user", "content": piece})
+            merging = True
+        else:
+            raise ValueError(f"messages[{i}]: role={role!r}: the folded form takes a first system message, then "
+                             "user, assistant and tool messages")
+    return out
 
 
 class Gemma3Renderer(Renderer):
@@ -578,42 +625,11 @@ class Gemma3Renderer(Renderer):
     end_of_text = ("<eos>",)
     glue = "\n"
 
-    def template_messages(self, messages: Sequence[dict], tools: list[dict] | None) -> list[dict]:
-        """The conversation as Gemma 3's own template takes it (system, then alternating user and assistant
-        messages of plain text): tool instructions joined to the system message, tool calls written into the
-        assistant's text, each run of tool and user messages merged into one user message."""
-        out, rest = [], list(messages)
-        system = []
-        if rest and rest[0]["role"] == "system":
-            system.append(rest.pop(0)["content"])
-        if tools:
-            system.append(_qwen_tools_text(tools))
-        if system:
-            out.append({"role": "system", "content": "\n\n".join(system)})
-        merging = False  # the last message of `out` is a user message that more user/tool messages join
-        for i, message in enumerate(rest):
-            role, content = message["role"], message["content"]
-            if role == "assistant":
-                calls = [_qwen_call_text(name, arguments, True) for name, arguments in _calls(message)]
-                out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
-                merging = False
-            elif role in ("user", "tool"):
-                piece = content if role == "user" else "<tool_response>\n" + content + "\n</tool_response>"
-                if merging:
-                    out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + piece}
-                else:
-                    out.append({"role": "user", "content": piece})
-                merging = True
-            else:
-                raise ValueError(f"messages[{i}]: role={role!r}: {self.family} renders a first system message, then "
-                                 "user, assistant and tool messages")
-        return out
-
     def template_conversation(self, messages, tools):
-        return self.template_messages(messages, tools), None
+        return folded_messages(messages, tools), None
 
     def render(self, messages, tools, add_generation_prompt):
-        turns = self.template_messages(messages, tools)
+        turns = folded_messages(messages, tools)
         prefix = ""
         if turns and turns[0]["role"] == "system":
             prefix, turns = turns[0]["content"] + "\n\n", turns[1:]
@@ -629,7 +645,7 @@ class Gemma3Renderer(Renderer):
         return "".join(out)
 
     def parse_text(self, text, finish):
-        return _tagged_turn(text, finish)
+        return tagged_turn(text, finish)
 
 
 _COMPACT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -747,7 +763,7 @@ class CompactRenderer(Renderer):
                 errors.append(error)
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = _message_calls(calls)
+            message["tool_calls"] = message_calls(calls)
         return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error="; ".join(errors) or None,
                              finish=finish, message=message)
 
@@ -855,18 +871,27 @@ def _template_difference(renderer: Renderer, with_tools: bool) -> str | None:
     return None
 
 
+TEMPLATE = "template"  # the renderer of a checkpoint's own chat template (envs.template_renderer)
+RENDERER_NAMES = (*RENDERERS, TEMPLATE)  # what env.renderer may name
+
+
 def _construct(name: str, tokenizer: Tokenizer, options: dict) -> Renderer:
-    if name not in RENDERERS:
-        raise ConfigError(f"renderer {name!r}: allowed {', '.join(RENDERERS)}")
+    if name == TEMPLATE:
+        from grpo_jax.envs.template_renderer import TemplateRenderer  # (it builds on this module)
+        cls = TemplateRenderer
+    elif name in RENDERERS:
+        cls = RENDERERS[name]
+    else:
+        raise ConfigError(f"renderer {name!r}: allowed {', '.join(RENDERER_NAMES)}")
     try:
-        return RENDERERS[name](tokenizer, **options)
+        return cls(tokenizer, **options)
     except TypeError as e:
         raise ConfigError(f"renderer {name!r}: {e}") from e
 
 
 def fitting_renderers(tokenizer: Tokenizer, with_tools: bool = True) -> list[Renderer]:
-    """The renderers (RENDERERS order, default options) that render the probe as the tokenizer's chat template
-    does; [] without a template."""
+    """The family renderers (RENDERERS order, default options) that render the probe as the tokenizer's chat
+    template does; [] without a template."""
     fitting = []
     for name in RENDERERS:
         try:
@@ -879,31 +904,44 @@ def fitting_renderers(tokenizer: Tokenizer, with_tools: bool = True) -> list[Ren
 
 
 def make_renderer(family: str, tokenizer: Tokenizer, **options) -> Renderer:
-    """The renderer of a model family (RENDERERS), with its options (e.g. enable_thinking for qwen3), as it is: a
-    run's renderer is chosen and checked against the checkpoint's chat template by renderer_for_run."""
+    """The renderer of a model family (RENDERER_NAMES: a family's, or `template`), with its options (e.g.
+    enable_thinking for qwen3), as it is: a run's renderer is chosen and checked against the checkpoint's chat
+    template by renderer_for_run."""
     return _construct(family, tokenizer, options)
 
 
 def renderer_for_run(family: str, tokenizer: Tokenizer, options: dict, *, explicit: bool, model: str,
                      with_tools: bool = True) -> Renderer:
     """The renderer a run uses, checked against the checkpoint's own chat template on a probe conversation
-    (template_difference; with_tools=False for an environment that offers no tools) before anything runs.
-    family: env.renderer when `explicit`, else the model architecture's; model: what names the checkpoint in a
-    message. An explicit renderer that does not fit is refused (ConfigError naming where the ids differ and the
-    renderers that fit); otherwise the first renderer that fits is chosen, logged, and none fitting is refused. A
-    tokenizer without a chat template (the synthetic ones, for `compact`) is not checked."""
-    renderer = _construct(family, tokenizer, options)
-    difference = template_difference(renderer, with_tools)
+    (template_difference; with_tools=False for an environment that offers no tools) before anything runs, and
+    logged. family: env.renderer when `explicit`, else the model architecture's (`template` for an architecture
+    without a family); model: what names the checkpoint in a message. An explicit family renderer that does not
+    fit is refused (ConfigError naming where the ids differ and the renderers that fit); otherwise the first family
+    renderer that fits is chosen, else the template renderer (the checkpoint's own template, envs.template_renderer).
+    A tokenizer without a chat template (the synthetic ones, for `compact`) is not checked."""
+    if family == TEMPLATE:
+        renderer = _construct(family, tokenizer, options)
+        logger.info("multi-turn renderer: the chat template of %s (%r)", model, renderer)
+        return renderer
+    try:
+        renderer = _construct(family, tokenizer, options)
+        difference = template_difference(renderer, with_tools)
+    except ConfigError as e:  # not this family's tokens
+        if explicit or tokenizer.chat_template is None:
+            raise
+        difference = str(e)
     if difference is None:
+        logger.info("multi-turn renderer: %s, %s", family, "which renders a probe conversation as the chat template "
+                    f"of {model} does" if tokenizer.chat_template is not None else f"({model} has no chat template)")
         return renderer
     fitting = [r.family for r in fitting_renderers(tokenizer, with_tools)]
     setting = f"env.renderer={family!r}" if explicit else f"env.renderer='' (the model's family: {family})"
-    if explicit or not fitting:
+    if explicit:
         fix = (f"set env.renderer to {' or '.join(fitting)}, or '' to choose it" if fitting else
-               "give the checkpoint the chat template of a family grpo_jax renders (a chat_template.jinja beside "
-               "its tokenizer.json)")
+               "set env.renderer to template (the checkpoint's own chat template), or '' to choose it")
         raise ConfigError(f"{setting} does not render as the chat template of {model}: {difference}; renderers that "
                           f"fit it: {', '.join(fitting) or 'none'}; {fix}")
+    renderer = _construct(fitting[0], tokenizer, {}) if fitting else _construct(TEMPLATE, tokenizer, options)
     logger.warning("%s does not render as the chat template of %s (%s); using renderer %r, which does", setting,
-                   model, difference, fitting[0])
-    return _construct(fitting[0], tokenizer, {})
+                   model, difference, renderer)
+    return renderer

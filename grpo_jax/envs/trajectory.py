@@ -62,6 +62,7 @@ class Trajectory:
         self._columns: list[tuple[list, list, list, list]] = []
         self._next = "turn"  # what may come: "turn", "step", or "" once the trajectory ended
         self._before_step: tuple | None = None  # what add_step changed, for take_back_step
+        self._last_text: str | None = None  # the last turn's text as sampled (Renderer.append_ids' `sampled`)
         self._start_segment(renderer.initial_ids(self.messages, tools))
 
     @property
@@ -107,6 +108,7 @@ class Trajectory:
         turn = self.renderer.parse(ids)
         self._append(ids, logprobs, weight_versions)
         self.messages.append(turn.message)
+        self._last_text = turn.text
         self.turns += 1
         self.tool_calls += len(turn.tool_calls)
         self.truncated = self.truncated or turn.finish == "length"
@@ -120,7 +122,7 @@ class Trajectory:
             raise ValueError("add_step: " + ("the trajectory has ended (its last turn did not end with an "
                                              "end-of-turn token, or it was marked truncated)" if self.ended else
                                              "an environment step answers an assistant turn (add_turn) first"))
-        ids = self.renderer.append_ids(self.messages, messages, self.tools)
+        ids = self.renderer.append_ids(self.messages, messages, self.tools, sampled=self._last_text)
         self._before_step = (len(self._columns), len(self._columns[-1][0]), len(self.messages), self.tool_errors)
         self.messages.extend(dict(m) for m in messages)
         self.tool_errors += tool_errors
