@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_jax.algorithm.rewards import register_function
 from grpo_jax.config_io import ConfigError, build_config, config_to_dict, read_config_file
-from grpo_jax.envs.environment import register_environment
+from grpo_jax.envs.environment import AGENTS, register_environment
 from grpo_jax.parallel.distributed import initialize
 from grpo_jax.run.config import Config
 from grpo_jax.run.trainer import Trainer
@@ -67,11 +67,28 @@ def _config_env(env: Any, values: dict) -> dict:
     return values
 
 
+def _config_agent(agent: Any, values: dict) -> dict:
+    """The env section with train()'s `agent` (an async function run(row, client) -> reward): registered in
+    envs.environment.AGENTS under its own name and named by it as env.agent; the config's other env keys (limits,
+    renderer) stay, and the rewards default to none."""
+    from grpo_jax.envs.agent import check_agent
+
+    name = getattr(agent, "__name__", "")
+    check_agent(agent)
+    if not name.isidentifier():
+        raise ConfigError(f"agent={agent!r}: the agent needs a name of its own (async def, not a partial)")
+    AGENTS[name] = agent
+    section = {k: v for k, v in dict(values.get("env") or {}).items() if k != "name"}
+    values = {**values, "env": {**section, "agent": name}}
+    values.setdefault("rewards", [])
+    return values
+
+
 def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | None = None,
-                   overrides: list[str] = (), env: Any = None) -> Config:
+                   overrides: list[str] = (), env: Any = None, agent: Any = None) -> Config:
     """The checked Config for train(): `config` (a Config, the path of a YAML file, or a mapping shaped like
-    one), its rewards replaced by `rewards` and its environment by `env` when given, then the dotted `overrides`
-    applied."""
+    one), its rewards replaced by `rewards`, its environment by `env` or its agent by `agent` when given, then the
+    dotted `overrides` applied."""
     if isinstance(config, Config):
         values = config_to_dict(config)
     elif isinstance(config, dict):
@@ -89,13 +106,17 @@ def resolve_config(config: Config | str | os.PathLike | dict, rewards: list | No
             raise ConfigError(f"rewards={rewards!r}: expected a list, e.g. [(my_reward, 1.0)]")
         names: dict = {}
         values["rewards"] = [_config_reward(spec, f"rewards[{i}]", names) for i, spec in enumerate(rewards)]
+    if env is not None and agent is not None:
+        raise ConfigError("env and agent: an episode talks to an environment or is driven by an agent; give one")
     if env is not None:
         values = _config_env(env, values)
+    if agent is not None:
+        values = _config_agent(agent, values)
     return build_config(Config, values, overrides)
 
 
 def train(config: Config | str | os.PathLike | dict, rewards: list | None = None, overrides: list[str] = (),
-          run_dir: str | pathlib.Path | None = None, env: Any = None) -> list[dict]:
+          run_dir: str | pathlib.Path | None = None, env: Any = None, agent: Any = None) -> list[dict]:
     """Train as `grpo-jax train CONFIG [overrides] --run-dir RUN_DIR` does, and return the metrics history:
     one dict per learner step of this call (the learner-step lines it appended to RUN_DIR/metrics.jsonl; the
     evaluation lines there, "kind": "eval", are not in it: read_metrics(run_dir, kind="eval") has them).
@@ -110,13 +131,14 @@ def train(config: Config | str | os.PathLike | dict, rewards: list | None = None
     env, when given, is the multi-turn environment the run's episodes use (grpo_jax.envs): an Environment
     subclass or a function returning a new Environment, called with the config's env.kwargs for every episode;
     the config's env section (or its defaults) gives the limits, and rewards default to none (the environment's
-    reward() scores each episode).
+    reward() scores each episode). agent, when given, drives the episodes instead: an async function
+    run(row, client) -> reward calling the model through the OpenAI client it is given (grpo_jax.envs.agent).
 
     Errors a user can fix raise grpo_jax.errors.UserError (one line, as the CLI prints them). Called from the
     main thread, a SIGINT (a notebook's interrupt) or SIGTERM stops the run after the current step, saves a
     checkpoint and returns the steps trained; a second one exits the process (the kernel) at once.
     """
-    config = resolve_config(config, rewards, overrides, env)
+    config = resolve_config(config, rewards, overrides, env, agent)
     initialize(config.distributed)
     trainer = Trainer(config, run_dir)
     history = trainer.train()

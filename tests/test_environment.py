@@ -82,7 +82,7 @@ def test_env_config_problems_name_the_key_the_value_and_the_fix(user_module):
                          kwargs=[1]).validate()
     assert problems == [
         "name='': name a built-in environment (gsm8k_python, countdown_multiturn, fetch_code) or a factory of "
-        "your own by import path 'package.module:factory'",
+        "your own by import path 'package.module:factory', or an agent (env.agent)",
         "kwargs=[1]: a mapping of the factory's keyword arguments",
         "max_turns=0: must be an integer >= 1 (assistant turns per episode)",
         "max_total_tokens=True: must be an integer >= 1 (tokens one sequence may hold)",

@@ -160,7 +160,7 @@ def test_max_turns_truncates(engine, tokenizer):
 # -- with a scripted engine: the environment's side of the runner, no model --
 
 
-class _ScriptedEngine:
+class ScriptedEngine:
     """The continuation engine's interface for EpisodeRunner; row r "samples" scripts[r][k] as its k-th turn (the last
     repeats): every token of a turn comes from one extend (its first) and one decode (the rest)."""
 
@@ -205,7 +205,7 @@ def _scripted_runner(tokenizer, factory, rows, **env):
     """A runner whose rows call fetch once, then answer 1 (both turns end with <|e|>)."""
     scripts = [[tokenizer.encode("<|c|>fetch<|e|>"), tokenizer.encode("1<|e|>")]] * rows
     config = EnvConfig(name="fetch_code", **{"max_turns": 3, "step_timeout_s": 0.5, "max_total_tokens": 64, **env})
-    return EpisodeRunner(_ScriptedEngine(scripts), make_renderer("compact", tokenizer), config, factory,
+    return EpisodeRunner(ScriptedEngine(scripts), make_renderer("compact", tokenizer), config, factory,
                          max_prompt_len=16, max_new_tokens=32)
 
 

@@ -21,18 +21,24 @@ from test_trainer import FAST, REPO
 MAX_STEPS = 24
 OVERRIDES = [f"trainer.max_steps={MAX_STEPS}", "grpo.max_staleness=2", "checkpoint.every_steps=2",
              "checkpoint.keep_last=2", "trainer.tensorboard=false", "optim.decay_steps=24"]
-CONFIGS = {  # config -> its overrides
-    "tiny_cpu.yaml": FAST + OVERRIDES,
-    "tiny_multiturn_cpu.yaml": [o for o in FAST if not o.startswith("sampler.")] + OVERRIDES,
+MULTITURN = [o for o in FAST if not o.startswith("sampler.")] + OVERRIDES
+CONFIGS = {  # name -> (config file, overrides)
+    "tiny_cpu": ("tiny_cpu.yaml", FAST + OVERRIDES),
+    "tiny_multiturn_cpu": ("tiny_multiturn_cpu.yaml", MULTITURN),
+    # The same episodes played by an agent through the agent endpoint (tests/example_agents.py).
+    "agent": ("tiny_multiturn_cpu.yaml", MULTITURN + ["env.name=", "env.agent=example_agents:fetch_code_agent"]),
 }
-CONFIG = "tiny_cpu.yaml"  # the one start() runs; each test sets it
+CONFIG = "tiny_cpu"  # the one start() runs; each test sets it
 
 
 def start(run_dir: pathlib.Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / CONFIG),
-               "--run-dir", str(run_dir)] + CONFIGS[CONFIG]
+    config_file, overrides = CONFIGS[CONFIG]
+    command = [sys.executable, "-m", "grpo_jax.cli", "train", str(REPO / "configs" / config_file),
+               "--run-dir", str(run_dir)] + overrides
     log = open(run_dir.parent / "train.log", "ab")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"),
+                                                                            os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=environment)
 
 
 def ledger_lines(run_dir: pathlib.Path) -> list[dict]:

@@ -57,16 +57,23 @@ from grpo_jax.plugins import ImportPathError, import_object
 class StepResult:
     """What the environment says after an assistant turn. reward: this step's reward, if it gives one (the
     episode's is `Environment.reward()`); info: anything for the logs; tool_errors: how many of the turn's tool
-    calls failed (the default step counts them)."""
+    calls failed (the default step counts them). history: the whole conversation anew, for an environment whose
+    next prompt does not extend the last (an agent that rewrote or cut its history): the trajectory starts a new
+    segment from it, and `messages` must then be empty."""
 
     messages: list[dict]
     reward: float | None = None
     done: bool = False
     info: dict = dataclasses.field(default_factory=dict)
     tool_errors: int = 0
+    history: list[dict] | None = None
 
     def __post_init__(self):
         check_messages(self.messages, "StepResult.messages", ENVIRONMENT_ROLES)
+        if self.history is not None:
+            check_messages(self.history, "StepResult.history")
+            if self.messages or not self.history:
+                raise ValueError("StepResult.history: the whole conversation, non-empty, with messages=[]")
         if self.reward is not None and not is_number(self.reward):
             raise ValueError(f"StepResult.reward={self.reward!r}: a number, or None for no reward at this step")
         if not isinstance(self.done, bool):
@@ -75,6 +82,17 @@ class StepResult:
             raise ValueError(f"StepResult.info={self.info!r}: a dict")
         if not (is_int(self.tool_errors) and self.tool_errors >= 0):
             raise ValueError(f"StepResult.tool_errors={self.tool_errors!r}: an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TurnTokens:
+    """The engine's record of one sampled turn (Environment.note_turn): the ids the model was given, those it
+    sampled (its stop id included), each one's behaviour log-prob and weight version."""
+
+    prompt_ids: tuple[int, ...]
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
 
 
 def reward_parts(value, where: str = "reward()") -> dict[str, float]:
@@ -118,6 +136,15 @@ class Environment(abc.ABC):
             errors += 1
         return StepResult(messages=messages, tool_errors=errors)
 
+    def note_turn(self, turn: AssistantTurn, tokens: TurnTokens) -> None:
+        """The turn that step() (or, when the episode ended with it, reward()) answers, and the engine's record
+        of it, given just before; an environment that speaks messages only need not look (the agent environment
+        returns them to the agent)."""
+
+    def turn_token_limit(self) -> int | None:
+        """The most tokens the next assistant turn may take, below the run's limits (None: those alone)."""
+        return None
+
     @abc.abstractmethod
     async def reward(self) -> float | dict[str, float]:
         """The episode's reward once it ended (done, or truncated): a number, or named parts."""
@@ -159,12 +186,31 @@ def environment_factory(name: str) -> Callable[..., Environment]:
     return ENVIRONMENTS[name]
 
 
+AGENTS: dict[str, Callable] = {}  # agents registered by grpo_jax.train(config, agent=run), by their names
+
+
+def agent_function(name: str) -> Callable:
+    """The agent `name` names (env.agent): registered in AGENTS (grpo_jax.train's `agent`), or by import path
+    "package.module:run"; ImportPathError (its `reason` names the fix) when it does not resolve."""
+    if ":" in name:
+        return import_object(name, what="function")
+    if name not in AGENTS:
+        raise ImportPathError(name, "an agent by import path 'package.module:run' (or grpo_jax.train(config, "
+                                    "agent=run))")
+    return AGENTS[name]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     """The environment a run's episodes use, and the limits on an episode (module docstring)."""
 
     name: str = config_key("", "The factory: a short name in ENVIRONMENTS ('gsm8k_python'), or "
                                "'package.module:factory'.")
+    agent: str = config_key("", "Instead of an environment: 'package.module:run', an agent `async def run(row, "
+                                "client) -> reward` that calls the model through an OpenAI-compatible endpoint of "
+                                "its episode's own (grpo_jax.envs.agent).")
+    agent_host: str = config_key("127.0.0.1", "The address the agent endpoint listens on (loopback: only this "
+                                              "machine's agents reach it).")
     kwargs: dict = config_key(help="Passed to the factory.", default_factory=dict)
     max_turns: int = config_key(8, "Assistant turns per episode; an episode still going then is truncated.")
     max_total_tokens: int = config_key(4096, "The most tokens one sequence may hold (prompt, sampled and "
@@ -190,9 +236,19 @@ class EnvConfig:
 
     def validate(self) -> list[str]:
         problems = []
-        if not self.name:
+        if self.agent:
+            if self.name:
+                problems.append(f"name={self.name!r} and agent={self.agent!r}: an episode talks to an environment "
+                                "or is driven by an agent; set one")
+            try:
+                agent_function(self.agent)
+            except ImportPathError as e:
+                problems.append(f"agent={self.agent!r}: {e.reason} (an async function run(row, client) -> reward)")
+            if not isinstance(self.agent_host, str) or not self.agent_host:
+                problems.append(f"agent_host={self.agent_host!r}: an address to listen on, e.g. 127.0.0.1")
+        elif not self.name:
             problems.append("name='': name a built-in environment (gsm8k_python, countdown_multiturn, fetch_code) or "
-                            "a factory of your own by import path 'package.module:factory'")
+                            "a factory of your own by import path 'package.module:factory', or an agent (env.agent)")
         else:
             try:
                 environment_factory(self.name)

@@ -115,15 +115,22 @@ class Trajectory:
         self._next = "step" if turn.finish == "stop" else ""
         return turn
 
-    def add_step(self, messages: Sequence[dict], *, tool_errors: int = 0) -> bool:
+    def add_step(self, messages: Sequence[dict], *, tool_errors: int = 0,
+                 history: Sequence[dict] | None = None) -> bool:
         """The environment's messages after the last turn (StepResult.messages and .tool_errors): their ids
-        follow the turn, or, where the renderer cannot extend, a new segment starts. True when it did."""
+        follow the turn, or, where the renderer cannot extend, a new segment starts. True when it did. history
+        (StepResult.history): the whole conversation anew instead, which always starts a new segment."""
         if self._next != "step":
             raise ValueError("add_step: " + ("the trajectory has ended (its last turn did not end with an "
                                              "end-of-turn token, or it was marked truncated)" if self.ended else
                                              "an environment step answers an assistant turn (add_turn) first"))
-        ids = self.renderer.append_ids(self.messages, messages, self.tools, sampled=self._last_text)
-        self._before_step = (len(self._columns), len(self._columns[-1][0]), len(self.messages), self.tool_errors)
+        if history is not None:
+            ids = CannotExtend(reason="the environment gave the conversation anew (StepResult.history)")
+        else:
+            ids = self.renderer.append_ids(self.messages, messages, self.tools, sampled=self._last_text)
+        self._before_step = (len(self._columns), len(self._columns[-1][0]), list(self.messages), self.tool_errors)
+        if history is not None:
+            self.messages[:] = [dict(m) for m in history]
         self.messages.extend(dict(m) for m in messages)
         self.tool_errors += tool_errors
         self._next = "turn"
@@ -143,7 +150,7 @@ class Trajectory:
         del self._columns[segments:]
         for column in self._columns[-1]:
             del column[length:]
-        del self.messages[messages:]
+        self.messages[:] = messages
         del self.cuts[segments - 1:]
         self.tool_errors = tool_errors
         self._before_step = None

@@ -72,13 +72,15 @@ from grpo_jax.envs.environment import (
     EnvConfig,
     Environment,
     StepResult,
+    TurnTokens,
+    agent_function,
     make_environment,
     renderer_family,
     reward_parts,
 )
 from grpo_jax.envs.render import Renderer, renderer_for_run
 from grpo_jax.envs.trajectory import Trajectory
-from grpo_jax.errors import TrainerError
+from grpo_jax.errors import ConfigError, TrainerError
 from grpo_jax.rollout.continuation import ContinuationEngine, Drawn
 from grpo_jax.rollout.grouping import one_line
 from grpo_jax.rollout.sampler import SamplerConfig
@@ -387,9 +389,11 @@ class EpisodeRunner:
 
     def __init__(self, engine: ContinuationEngine, renderer: Renderer, env_config: EnvConfig,
                  factory: Callable[[], Environment], *, max_prompt_len: int, max_new_tokens: int,
-                 reprefill: bool = False):
+                 reprefill: bool = False, closing: Sequence[Callable[[], None]] = ()):
         """reprefill: prefill every turn's whole sequence again instead of continuing it (what the continuation
-        saves, measured by tools/bench_multiturn.py; the episodes are the same)."""
+        saves, measured by tools/bench_multiturn.py; the episodes are the same); closing: what close() also
+        stops (an agent endpoint)."""
+        self.closing = list(closing)
         self.engine, self.renderer, self.config, self.factory = engine, renderer, env_config, factory
         self.reprefill = reprefill
         self.context = min(env_config.max_total_tokens, engine.context)
@@ -410,6 +414,8 @@ class EpisodeRunner:
             env_loop.stop()
         self._loop.thread.join(timeout=10)
         self._render.shutdown(wait=False)
+        while self.closing:
+            self.closing.pop()()
 
     # -- the actor's generator: weights and metrics are the engine's --
 
@@ -674,15 +680,18 @@ class EpisodeRunner:
         # cannot extend, the whole history is rendered again).
         room = max(self.context - len(trajectory.current_ids) - 1, min(self.max_prompt_len, self.context - 1))
         try:
-            if self._message_floor(result.messages, self.context, "step()", SEQUENCE) > room:
+            if self._message_floor(result.history or result.messages, self.context, "step()", SEQUENCE) > room:
                 return _Answer(result, None)
-            return _Answer(result, trajectory.add_step(result.messages, tool_errors=result.tool_errors))
+            return _Answer(result, trajectory.add_step(result.messages, tool_errors=result.tool_errors,
+                                                       history=result.history))
         except (ValueError, TypeError) as exc:
             raise _EpisodeFailure("env_error", f"step() returned messages the renderer refuses: {exc}") from exc
 
     def _room(self, e: _Episode) -> int:
-        """Tokens the episode may sample in its next turn."""
-        return min(self.context - len(e.result.trajectory.current_ids), self.max_new_tokens - e.sampled_in_segment)
+        """Tokens the episode may sample in its next turn (the environment's own limit too: an agent's max_tokens)."""
+        room = min(self.context - len(e.result.trajectory.current_ids), self.max_new_tokens - e.sampled_in_segment)
+        limit = e.env.turn_token_limit()
+        return room if limit is None else min(room, limit)
 
     def _extend(self, episodes: list[_Episode], appended: list, restart: list) -> Drawn:
         rows = self.engine.rows
@@ -722,7 +731,10 @@ class EpisodeRunner:
         ids, logprobs, versions = e.turn
         e.turn = ([], [], [])
         e.sampled_in_segment += len(ids)
+        prompt_ids = tuple(trajectory.current_ids)
         turn = trajectory.add_turn(ids, logprobs, versions)
+        e.env.note_turn(turn, TurnTokens(prompt_ids=prompt_ids, ids=tuple(ids), logprobs=tuple(logprobs),
+                                         versions=tuple(versions)))
         self.stats["turns"] += 1
         if trajectory.ended:  # cut off at its room, or an end-of-text id
             e.over = True
@@ -838,18 +850,48 @@ def episode_context(env_config: EnvConfig, sampler_config: SamplerConfig) -> int
 
 def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, model, tokenizer: Tokenizer, *,
                         rows: int, adapters=None, version: int = 0) -> EpisodeRunner:
-    """The actor's generator for a run with an environment: the renderer of env.renderer (or the model's family),
-    a ContinuationEngine of `rows` rows (sampler.slots when set) with the renderer's stop ids, and the runner.
-    One environment is made here, so that a factory that cannot make one stops the run before any compute; and the
-    renderer is checked against the checkpoint's own chat template (render.renderer_for_run: env.renderer='' takes
-    the renderer that fits it, an explicit one that does not fit is refused in one line)."""
-    probe_env = make_environment(env_config)
+    """The actor's generator for a run with an environment (or an agent, env.agent: its episodes through an agent
+    endpoint started here, grpo_jax.envs.agent): the renderer of env.renderer (or the model's family), a
+    ContinuationEngine of `rows` rows (sampler.slots when set) with the renderer's stop ids, and the runner.
+    One environment is made here (the agent function loaded), so that a factory that cannot make one stops the run
+    before any compute; and the renderer is checked against the checkpoint's own chat template
+    (render.renderer_for_run: env.renderer='' takes the renderer that fits it, an explicit one that does not fit
+    is refused in one line)."""
+    closing = []
+    if env_config.agent:
+        try:
+            import openai  # noqa: F401 - the client each agent is given
+
+            from grpo_jax.envs.agent import AgentEnvironment, check_agent
+            from grpo_jax.envs.agent_endpoint import AgentEndpoint
+        except ImportError as e:
+            raise ConfigError(f"env.agent={env_config.agent!r} needs the agent extra ({e.name} is not installed): "
+                              "pip install 'grpo_jax[agent]'") from e
+
+        problems = env_config.validate()
+        if problems:
+            raise ConfigError("invalid config: " + "; ".join(f"env.{p}" for p in problems))
+        run = check_agent(agent_function(env_config.agent))
+        endpoint = AgentEndpoint(host=env_config.agent_host, temperature=sampler_config.temperature,
+                                 top_p=sampler_config.top_p)
+        closing.append(endpoint.close)
+
+        def factory():
+            return AgentEnvironment(run, endpoint)
+
+        with_tools = True  # an agent's tools come with its calls
+    else:
+        with_tools = bool(make_environment(env_config).tools)
+
+        def factory():
+            return make_environment(env_config)
+
     architecture = model.config.architecture
     renderer = renderer_for_run(renderer_family(env_config, architecture), tokenizer, env_config.renderer_options,
-                                explicit=bool(env_config.renderer), with_tools=bool(probe_env.tools),
+                                explicit=bool(env_config.renderer), with_tools=with_tools,
                                 model=f"model.architecture={architecture} (tokenizer {tokenizer.source})")
     engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler_config,
                                 rows=sampler_config.slots or rows, context=episode_context(env_config, sampler_config),
                                 adapters=adapters, version=version)
-    return EpisodeRunner(engine, renderer, env_config, lambda: make_environment(env_config),
-                         max_prompt_len=sampler_config.max_prompt_len, max_new_tokens=sampler_config.max_new_tokens)
+    return EpisodeRunner(engine, renderer, env_config, factory, max_prompt_len=sampler_config.max_prompt_len,
+                         max_new_tokens=sampler_config.max_new_tokens, closing=closing)
