@@ -190,6 +190,82 @@ def test_a_rewritten_history_starts_a_new_segment_and_a_posted_reward_counts(ren
     assert [r.reward for r in results] == [0.25, 0.25], [r.detail for r in results]
 
 
+TOKEN_CALLS: dict = {}  # row id -> the ids each token call sent, and what came back
+
+
+def token_agent(tokenizer):
+    async def run(row, client):
+        """The token route: the agent holds ids itself; its second prompt extends the first with the turn and a
+        result of its own, its third starts over."""
+        calls = TOKEN_CALLS.setdefault(row["id"], [])
+        prompt = tokenizer.encode("<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n")
+        for step in range(3):
+            response = await client.completions.create(model="grpo-jax", prompt=prompt, max_tokens=256)
+            ids = response.choices[0].model_extra["token_ids"]
+            calls.append((list(prompt), ids, response.choices[0].text))
+            if step == 0:
+                prompt = prompt + ids + tokenizer.encode("\n<|im_start|>user\nResult: 5<|im_end|>\n"
+                                                         "<|im_start|>assistant\n")
+            else:
+                prompt = tokenizer.encode("<|im_start|>user\nStart over: 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+        return 1.0
+
+    return run
+
+
+def test_the_token_route_extends_a_sequence_by_its_ids_and_starts_over_where_they_differ(renderer, endpoint):
+    TOKEN_CALLS.clear()
+    tok = renderer.tokenizer
+    scripts = [[turn_ids(renderer, CALL), turn_ids(renderer, "5."), turn_ids(renderer, "Five.")]] * 2
+    results = run_batch(scripted_runner(renderer, endpoint, token_agent(tok), scripts), 2)
+    assert [r.failure for r in results] == [None, None], [r.detail for r in results]
+    for i, result in enumerate(results):
+        first, second = result.trajectory.segments
+        (p0, ids0, text0), (p1, ids1, _), (p2, ids2, _) = TOKEN_CALLS[i]
+        assert text0 == CALL and ids0 == scripts[0][0]  # the text decoded, its stop id left out
+        # The second prompt extended the first: one segment holds both turns, the agent's ids as it sent them.
+        assert list(first.tokens) == p1 + ids1
+        assert [t for t, m in zip(first.tokens, first.loss_mask) if m] == ids0 + ids1
+        assert list(second.tokens) == p2 + ids2 and "does not start with the ids" in result.trajectory.cuts[0]
+    # Ids outside the vocabulary fail the episode in one line; text is refused by the route.
+    loop = asyncio.new_event_loop()
+    session = endpoint.open_session(loop)
+    status, answer = asyncio.run(request("POST", session.base_url + "/completions", session.key,
+                                         json={"prompt": "Add 2 and 3."}))
+    assert status == 400 and "a non-empty list of token ids" in answer["error"]["message"]
+    loop.close()
+
+    async def out_of_vocabulary(row, client):
+        await client.completions.create(model="grpo-jax", prompt=[tok.vocab_size + 5], max_tokens=4)
+
+    (result,) = run_batch(scripted_runner(renderer, endpoint, out_of_vocabulary, scripts[:1]), 1)
+    assert result.failure == "env_error" and "is not in the tokenizer's vocabulary" in result.detail, result.detail
+
+
+FINISHES: list = []
+
+
+async def capped(row, client):
+    """Asks for at most 5 tokens, and is told the episode ended when it goes on."""
+    import openai
+
+    response = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}],
+                                                    max_tokens=5)
+    FINISHES.append((response.choices[0].finish_reason, len(response.choices[0].model_extra["token_ids"])))
+    try:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
+    except openai.ConflictError:
+        return 0.0
+    return 1.0
+
+
+def test_max_tokens_caps_the_turn_and_the_cut_episode_is_trained_truncated(renderer, endpoint):
+    FINISHES.clear()
+    results = run_batch(scripted_runner(renderer, endpoint, capped, [[turn_ids(renderer, "Hello there.")]] * 2), 2)
+    assert [(r.failure, r.reward, r.trajectory.truncated) for r in results] == [(None, 0.0, True)] * 2
+    assert FINISHES == [("length", 5)] * 2
+
+
 async def raising(row, client):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
     raise KeyError("the agent broke")

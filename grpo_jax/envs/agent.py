@@ -10,14 +10,16 @@ parts), or None after posting one to `/rl/reward`. A config names it as `env.age
 AgentEnvironment is that agent as an Environment, so episodes run through the EpisodeRunner as any environment's
 (the continuation engine, the limits, exactly-once accounting, failures in the ledger):
 
-- reset(row, seed): starts `run` and waits for its first call; the call's messages (and tools) are the opening.
+- reset(row, seed): starts `run` and waits for its first call; the call's messages (and tools) are the opening,
+  or its token ids (the token route, /v1/completions: a TokenPrompt, never rendered).
 - the engine samples the turn; step(turn) answers the call with it and the engine's record (Environment.note_turn:
   prompt ids, sampled ids, log-probs, weight versions), then waits for the agent's next call or its return. The next
   call's messages continue the trajectory when they start with the conversation so far and the turn returned (its
   content and calls, as the client echoes them); what follows (tool results, user messages) is the step's
   messages, their ids appended after the sampled ids (never re-tokenized). Otherwise (an agent that rewrote, cut
   or reordered its history, or added an assistant message of its own) the call's messages are the conversation
-  anew (StepResult.history): a new segment.
+  anew (StepResult.history): a new segment. A token call's ids are the next prompt whole (StepResult.prompt): they
+  extend the sequence where they start with the ids it holds, else start a new segment.
 - the agent's return ends the episode; reward() gives its value (or the posted one).
 
 Failures, each the episode's (env_error or env_timeout in the ledger, never the run's): the agent raises, hangs past
@@ -38,7 +40,7 @@ import json
 from collections.abc import Callable
 
 from grpo_jax.envs.agent_endpoint import AgentCall, AgentEndpoint, AgentReply
-from grpo_jax.envs.environment import ENVIRONMENT_ROLES, Environment, StepResult, TurnTokens
+from grpo_jax.envs.environment import ENVIRONMENT_ROLES, Environment, StepResult, TokenPrompt, TurnTokens
 from grpo_jax.envs.render import AssistantTurn
 from grpo_jax.envs.tools import ToolCall
 from grpo_jax.errors import ConfigError
@@ -116,8 +118,14 @@ class AgentEnvironment(Environment):
         self._returned, self._value = True, self._task.result()
         return None
 
-    def _open(self, call: AgentCall) -> list[dict]:
-        self._call, self._history = call, list(call.messages)
+    def _open(self, call: AgentCall) -> list[dict] | TokenPrompt:
+        """The call as the conversation so far (its messages, or its token prompt: no messages to compare a
+        later chat call with)."""
+        self._call = call
+        if call.prompt_ids is not None:
+            self._history = None
+            return TokenPrompt(call.prompt_ids)
+        self._history = list(call.messages)
         return call.messages
 
     async def reset(self, row, seed):
@@ -147,13 +155,18 @@ class AgentEnvironment(Environment):
         if not await asyncio.wrap_future(call.delivered):
             raise AgentError("the agent's connection closed before its response was written: the turn is not "
                              "trained")
-        self._history.append(turn.message)
+        if self._history is not None:
+            self._history.append(turn.message)
 
     async def step(self, turn):
         await self._answer(turn)
         call = await self._next()
         if call is None:
             return StepResult(messages=[], done=True)
+        if call.prompt_ids is not None or self._history is None:  # the token route, or a chat call after it
+            prompt = self._open(call)
+            return StepResult(messages=[], prompt=prompt) if isinstance(prompt, TokenPrompt) else StepResult(
+                messages=[], history=prompt)
         if call.tools is not None and tuple(call.tools) != self.tools:
             raise AgentError("the agent changed the tools it offers between calls of one episode")
         expected = [_comparable(m) for m in self._history]

@@ -13,6 +13,10 @@ the base URL:
   OpenAI's `chat.completion` (or its chunks), with the engine's own record of the turn as vLLM's
   `return_token_ids` gives it: `prompt_token_ids`, and in the choice `token_ids`, `token_logprobs` and
   `weight_versions` (the policy version that drew each token).
+- `POST /completions`: the token route: `prompt` a list of token ids (the whole sequence the model is to
+  continue), `max_tokens`, and the settings above (no stream); the answer is OpenAI's `text_completion` with the
+  same record. A prompt that starts with the ids the episode's sequence holds extends it (what follows appended as
+  it is), else starts a new segment: nothing is rendered or tokenized.
 - `GET /models`: the one model, `grpo-jax`.
 - `POST /rl/reward` (beside `/v1`, at `http://HOST:PORT/e/<session>/rl/reward`): `{"reward": number or {name:
   number}}`, the episode's reward when `run` returns None.
@@ -67,10 +71,11 @@ class AgentReply:
 class AgentCall:
     """One chat-completion request, checked: what the episode needs to answer it."""
 
-    messages: list[dict]
+    messages: list[dict] | None  # a chat call's; None for a token call
     tools: list[dict] | None
     max_tokens: int | None
     stream: bool
+    prompt_ids: tuple[int, ...] | None = None  # a token call's (/v1/completions)
     reply: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     delivered: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
@@ -141,6 +146,31 @@ def parse_call(body, temperature: float, top_p: float) -> AgentCall:
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise RequestError(400, "tools: a list of tool objects")
+    max_tokens, stream = _sampling(body, temperature, top_p)
+    return AgentCall(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools, max_tokens=max_tokens,
+                     stream=stream)
+
+
+def parse_token_call(body, temperature: float, top_p: float) -> AgentCall:
+    """A completion request (/v1/completions) whose prompt is token ids, as an AgentCall; RequestError naming
+    what is refused (a text prompt among it: the route is token-in, token-out)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body is a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # [[ids]]: one prompt
+    if not (isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                         for i in prompt)):
+        raise RequestError(400, "prompt: a non-empty list of token ids (this route takes ids, not text; chat "
+                                "messages go to /chat/completions)")
+    max_tokens, stream = _sampling(body, temperature, top_p)
+    if stream:
+        raise RequestError(400, "stream=true: the token route answers whole; stream chat completions")
+    return AgentCall(messages=None, tools=None, max_tokens=max_tokens, stream=False, prompt_ids=tuple(prompt))
+
+
+def _sampling(body: dict, temperature: float, top_p: float) -> tuple[int | None, bool]:
+    """(max_tokens, stream) of a request, RequestError for a sampling setting a training episode refuses."""
     n = body.get("n", 1)
     if n not in (1, None):
         raise RequestError(400, f"n={n!r}: 1 in a training episode (the trainer samples the group: grpo.group_size)")
@@ -159,8 +189,7 @@ def parse_call(body, temperature: float, top_p: float) -> AgentCall:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, f"stream={stream!r}: true or false")
-    return AgentCall(messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools, max_tokens=max_tokens,
-                     stream=stream)
+    return max_tokens, stream
 
 
 def completion_body(reply: AgentReply, call_ids: list[str], created: int) -> dict:
@@ -180,6 +209,19 @@ def completion_body(reply: AgentReply, call_ids: list[str], created: int) -> dic
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
                          "token_ids": list(tokens.ids), "token_logprobs": list(tokens.logprobs),
                          "weight_versions": list(tokens.versions)}],
+            "usage": {"prompt_tokens": len(tokens.prompt_ids), "completion_tokens": len(tokens.ids),
+                      "total_tokens": len(tokens.prompt_ids) + len(tokens.ids)}}
+
+
+def text_completion_body(reply: AgentReply, created: int) -> dict:
+    """OpenAI's text_completion for a token call's turn (its text decoded, its stop id left out), with the
+    engine's record."""
+    turn, tokens = reply.turn, reply.tokens
+    return {"id": "cmpl-" + secrets.token_hex(8), "object": "text_completion", "created": created,
+            "model": MODEL_NAME, "prompt_token_ids": list(tokens.prompt_ids),
+            "choices": [{"index": 0, "text": turn.text, "finish_reason": "length" if turn.finish == "length" else
+                         "stop", "logprobs": None, "token_ids": list(tokens.ids),
+                         "token_logprobs": list(tokens.logprobs), "weight_versions": list(tokens.versions)}],
             "usage": {"prompt_tokens": len(tokens.prompt_ids), "completion_tokens": len(tokens.ids),
                       "total_tokens": len(tokens.prompt_ids) + len(tokens.ids)}}
 
@@ -219,6 +261,7 @@ class AgentEndpoint:
         self._thread.start()
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post("/e/{session}/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/e/{session}/v1/completions", self._completions)
         app.router.add_get("/e/{session}/v1/models", self._models)
         app.router.add_post("/e/{session}/rl/reward", self._reward)
         self._runner = web.AppRunner(app, access_log=None)
@@ -300,9 +343,16 @@ class AgentEndpoint:
             raise RequestError(400, f"the body is not JSON ({e})") from None
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_call)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_token_call)
+
+    async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
+        """A call: checked, handed to its session, answered once the episode has its turn."""
         try:
             session = self._session(request)
-            call = parse_call(await self._json(request), self.temperature, self.top_p)
+            call = parse(await self._json(request), self.temperature, self.top_p)
         except RequestError as e:
             self.stats["refused"] += 1
             return self._error(e)
@@ -316,8 +366,11 @@ class AgentEndpoint:
         if reply.error is not None:
             call.delivered.set_result(False)
             return self._error(RequestError(*reply.error))
-        body = completion_body(reply, [f"call_{secrets.token_hex(6)}" for _ in reply.turn.tool_calls],
-                               int(time.time()))
+        if call.prompt_ids is not None:
+            body = text_completion_body(reply, int(time.time()))
+        else:
+            body = completion_body(reply, [f"call_{secrets.token_hex(6)}" for _ in reply.turn.tool_calls],
+                                   int(time.time()))
         delivered = False
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if call.stream
                                                else "application/json", "Cache-Control": "no-cache"})

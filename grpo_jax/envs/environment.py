@@ -59,7 +59,8 @@ class StepResult:
     episode's is `Environment.reward()`); info: anything for the logs; tool_errors: how many of the turn's tool
     calls failed (the default step counts them). history: the whole conversation anew, for an environment whose
     next prompt does not extend the last (an agent that rewrote or cut its history): the trajectory starts a new
-    segment from it, and `messages` must then be empty."""
+    segment from it, and `messages` must then be empty. prompt: the next prompt whole, as token ids (an agent's
+    token route): it extends the sequence where it starts with the ids held, else starts a new segment."""
 
     messages: list[dict]
     reward: float | None = None
@@ -67,6 +68,7 @@ class StepResult:
     info: dict = dataclasses.field(default_factory=dict)
     tool_errors: int = 0
     history: list[dict] | None = None
+    prompt: TokenPrompt | None = None
 
     def __post_init__(self):
         check_messages(self.messages, "StepResult.messages", ENVIRONMENT_ROLES)
@@ -74,6 +76,10 @@ class StepResult:
             check_messages(self.history, "StepResult.history")
             if self.messages or not self.history:
                 raise ValueError("StepResult.history: the whole conversation, non-empty, with messages=[]")
+        if self.prompt is not None and (self.messages or self.history is not None
+                                        or not isinstance(self.prompt, TokenPrompt)):
+            raise ValueError("StepResult.prompt: a TokenPrompt, the next prompt whole, with messages=[] and no "
+                             "history")
         if self.reward is not None and not is_number(self.reward):
             raise ValueError(f"StepResult.reward={self.reward!r}: a number, or None for no reward at this step")
         if not isinstance(self.done, bool):
@@ -82,6 +88,18 @@ class StepResult:
             raise ValueError(f"StepResult.info={self.info!r}: a dict")
         if not (is_int(self.tool_errors) and self.tool_errors >= 0):
             raise ValueError(f"StepResult.tool_errors={self.tool_errors!r}: an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt given as token ids (an agent's token route), what `reset` may return instead of messages: the
+    sequence exactly as the model is to see it, never rendered."""
+
+    ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.ids or not all(is_int(i) and i >= 0 for i in self.ids):
+            raise ValueError("TokenPrompt.ids: a non-empty sequence of token ids (integers >= 0)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

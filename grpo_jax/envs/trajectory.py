@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from grpo_jax.envs.environment import TokenPrompt
 from grpo_jax.envs.render import AssistantTurn, CannotExtend, Renderer
 from grpo_jax.envs.tools import Tool
 
@@ -52,10 +53,14 @@ class Segment:
 class Trajectory:
     """An episode's segments and totals (turns, tool_calls, tool_errors, truncated, cuts), built turn by turn."""
 
-    def __init__(self, renderer: Renderer, messages: Sequence[dict], tools: Sequence[Tool | dict] | None = None):
-        """messages: the opening conversation (Environment.reset's); tools: those offered to the model."""
+    def __init__(self, renderer: Renderer, messages: Sequence[dict] | TokenPrompt,
+                 tools: Sequence[Tool | dict] | None = None):
+        """messages: the opening conversation (Environment.reset's), or a TokenPrompt (the opening ids as they
+        are: the trajectory then holds no messages); tools: those offered to the model."""
         self.renderer, self.tools = renderer, tools
-        self.messages: list[dict] = [dict(m) for m in messages]  # the conversation so far, as the template takes it
+        prompt = messages if isinstance(messages, TokenPrompt) else None
+        # the conversation so far, as the template takes it ([] while the sequence came from token prompts)
+        self.messages: list[dict] = [] if prompt is not None else [dict(m) for m in messages]
         self.turns = self.tool_calls = self.tool_errors = 0
         self.truncated = False
         self.cuts: list[str] = []  # why each segment after the first began (CannotExtend.reason)
@@ -63,7 +68,8 @@ class Trajectory:
         self._next = "turn"  # what may come: "turn", "step", or "" once the trajectory ended
         self._before_step: tuple | None = None  # what add_step changed, for take_back_step
         self._last_text: str | None = None  # the last turn's text as sampled (Renderer.append_ids' `sampled`)
-        self._start_segment(renderer.initial_ids(self.messages, tools))
+        self._start_segment(self._checked(prompt.ids) if prompt is not None else
+                            renderer.initial_ids(self.messages, tools))
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -78,6 +84,14 @@ class Trajectory:
     @property
     def ended(self) -> bool:
         return self._next == ""
+
+    def _checked(self, ids: Sequence[int]) -> list[int]:
+        """A token prompt's ids, ValueError unless each is one of the tokenizer's."""
+        vocab = self.renderer.tokenizer.vocab_size
+        bad = next((i for i in ids if not 0 <= int(i) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token prompt: id {bad} is not in the tokenizer's vocabulary of {vocab}")
+        return [int(i) for i in ids]
 
     def _start_segment(self, prompt_ids: Sequence[int]) -> None:
         self._columns.append(([], [], [], []))
@@ -116,14 +130,28 @@ class Trajectory:
         return turn
 
     def add_step(self, messages: Sequence[dict], *, tool_errors: int = 0,
-                 history: Sequence[dict] | None = None) -> bool:
+                 history: Sequence[dict] | None = None, prompt: TokenPrompt | None = None) -> bool:
         """The environment's messages after the last turn (StepResult.messages and .tool_errors): their ids
         follow the turn, or, where the renderer cannot extend, a new segment starts. True when it did. history
-        (StepResult.history): the whole conversation anew instead, which always starts a new segment."""
+        (StepResult.history): the whole conversation anew instead, which always starts a new segment. prompt
+        (StepResult.prompt): the next prompt's ids whole, which extend the sequence where they start with the ids
+        held (what follows them appended as they are), else start a new segment."""
         if self._next != "step":
             raise ValueError("add_step: " + ("the trajectory has ended (its last turn did not end with an "
                                              "end-of-turn token, or it was marked truncated)" if self.ended else
                                              "an environment step answers an assistant turn (add_turn) first"))
+        if prompt is not None:
+            ids, held = self._checked(prompt.ids), self._columns[-1][0]
+            self._before_step = (len(self._columns), len(held), list(self.messages), self.tool_errors)
+            self.messages.clear()  # the conversation is the ids' now
+            self.tool_errors += tool_errors
+            self._next = "turn"
+            if ids[:len(held)] == held:
+                self._append(ids[len(held):])
+                return False
+            self.cuts.append("the token prompt does not start with the ids the sequence holds")
+            self._start_segment(ids)
+            return True
         if history is not None:
             ids = CannotExtend(reason="the environment gave the conversation anew (StepResult.history)")
         else:

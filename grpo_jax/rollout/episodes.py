@@ -683,7 +683,7 @@ class EpisodeRunner:
             if self._message_floor(result.history or result.messages, self.context, "step()", SEQUENCE) > room:
                 return _Answer(result, None)
             return _Answer(result, trajectory.add_step(result.messages, tool_errors=result.tool_errors,
-                                                       history=result.history))
+                                                       history=result.history, prompt=result.prompt))
         except (ValueError, TypeError) as exc:
             raise _EpisodeFailure("env_error", f"step() returned messages the renderer refuses: {exc}") from exc
 
