@@ -420,6 +420,7 @@ def test_grpo_jax_train_with_an_agent_trains_and_audits_clean(tmp_path):
         "trainer.max_steps=2", "grpo.prompts_per_step=4", "grpo.max_staleness=0", "trainer.progress=false",
         "trainer.tensorboard=false", "trainer.save_final_model=false", "checkpoint.every_steps=0"])
     assert len(history) == 2 and history[-1]["env/turns"] >= 1
+    assert history[-1]["rollout/agent_calls"] > 0 and history[-1]["rollout/agent_undelivered"] == 0
     assert {k: v for k, v in history[-1].items() if k.startswith("env/failed_")} == {
         "env/failed_env_error": 0, "env/failed_env_timeout": 0, "env/failed_context_limit": 0}
     assert main(["audit", str(tmp_path / "run")]) == 0

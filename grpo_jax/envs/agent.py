@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from grpo_jax.envs.agent_endpoint import AgentCall, AgentEndpoint, AgentReply
 from grpo_jax.envs.environment import ENVIRONMENT_ROLES, Environment, StepResult, TokenPrompt, TurnTokens
-from grpo_jax.envs.render import AssistantTurn
+from grpo_jax.envs.render import AssistantTurn, message_calls
 from grpo_jax.envs.tools import ToolCall
 from grpo_jax.errors import ConfigError
 from grpo_jax.json_text import JSONTextError, loads
@@ -99,7 +99,9 @@ class AgentEnvironment(Environment):
         self._call: AgentCall | None = None  # the call the turn being sampled answers
         self._tokens: TurnTokens | None = None
         self._turn: AssistantTurn | None = None
-        self._history: list[dict] = []  # the conversation as the last call gave it, and the turn returned
+        # The conversation as the last call gave it and the turn as the response gave it (what the agent echoes),
+        # or None after a token call.
+        self._history: list[dict] | None = []
         self._value = None
         self._returned = False
 
@@ -155,8 +157,9 @@ class AgentEnvironment(Environment):
         if not await asyncio.wrap_future(call.delivered):
             raise AgentError("the agent's connection closed before its response was written: the turn is not "
                              "trained")
-        if self._history is not None:
-            self._history.append(turn.message)
+        if self._history is not None:  # (the history message keeps a turn's reasoning; the response gave it apart)
+            self._history.append({"role": "assistant", "content": turn.content,
+                                  "tool_calls": message_calls(turn.tool_calls)})
 
     async def step(self, turn):
         await self._answer(turn)
@@ -173,7 +176,6 @@ class AgentEnvironment(Environment):
         given = call.messages
         continues = (len(given) >= len(expected) and [_comparable(m) for m in given[:len(expected)]] == expected
                      and all(m["role"] in ENVIRONMENT_ROLES for m in given[len(expected):]))
-        new = given[len(expected):] if continues else given
         self._open(call)
         if not continues:
             return StepResult(messages=[], history=given)
@@ -181,7 +183,7 @@ class AgentEnvironment(Environment):
         names = {c["id"]: c["function"]["name"] for m in given[:len(expected)] for c in m.get("tool_calls") or ()
                  if c.get("id")}
         return StepResult(messages=[{**m, "name": names.get(m.get("tool_call_id"), m.get("name", ""))}
-                                    if m["role"] == "tool" else m for m in new])
+                                    if m["role"] == "tool" else m for m in given[len(expected):]])
 
     async def reward(self):
         ended = AgentReply(error=(409, "the episode has ended (the model ended the conversation, or a limit was "

@@ -30,6 +30,7 @@ response is written is not trained on. Calls to an ended session get 410, to an 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -48,6 +49,7 @@ logger = logging.getLogger("grpo_jax.envs.agent_endpoint")
 
 MODEL_NAME = "grpo-jax"
 MAX_REQUEST_BYTES = 64 << 20
+ENDED_KEPT = 4096  # ended sessions remembered, so that a late call gets 410 (and is counted) rather than 404
 
 
 class RequestError(Exception):
@@ -97,7 +99,10 @@ class AgentSession:
         self.late_calls = 0  # calls that came after the session ended
 
     def post(self, call: AgentCall) -> None:
-        self.loop.call_soon_threadsafe(self.calls.put_nowait, call)
+        try:
+            self.loop.call_soon_threadsafe(self.calls.put_nowait, call)
+        except RuntimeError:  # its event loop has ended (replaced after a call held it): the episode is over
+            raise RequestError(410, "the episode has ended") from None
 
 
 def _message(i: int, message) -> dict:
@@ -254,6 +259,7 @@ class AgentEndpoint:
     def __init__(self, *, host: str = "127.0.0.1", temperature: float = 1.0, top_p: float = 1.0):
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.sessions: dict[str, AgentSession] = {}
+        self._ended: collections.OrderedDict[str, AgentSession] = collections.OrderedDict()  # the last ENDED_KEPT
         self.stats = {"calls": 0, "refused": 0, "late": 0, "undelivered": 0}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -282,9 +288,19 @@ class AgentEndpoint:
         return session
 
     def end_session(self, session: AgentSession) -> None:
-        """The episode is over: later calls get 410 (counted in session.late_calls); the session is forgotten
-        after the next one."""
+        """The episode is over: later calls get 410 (counted in session.late_calls and the stats) while it is among
+        the last ENDED_KEPT ended sessions, 404 once forgotten."""
         session.closed = True
+        with self._lock:
+            self.sessions.pop(session.id, None)
+            self._ended[session.id] = session
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def metrics(self) -> dict:
+        """Running totals: calls answered, refused (4xx for a malformed request), late (after their episode) and
+        undelivered (the client gone before its response was written)."""
+        return {f"rollout/agent_{k}": v for k, v in self.stats.items()}
 
     def close(self) -> None:
         if not self._loop.is_running():
@@ -297,7 +313,8 @@ class AgentEndpoint:
 
     def _session(self, request: web.Request) -> AgentSession:
         with self._lock:
-            session = self.sessions.get(request.match_info["session"])
+            session = self.sessions.get(request.match_info["session"]) or self._ended.get(
+                request.match_info["session"])
         if session is None:
             raise RequestError(404, "no such episode session (its base URL is the episode's own)")
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
@@ -356,8 +373,11 @@ class AgentEndpoint:
         except RequestError as e:
             self.stats["refused"] += 1
             return self._error(e)
+        try:
+            session.post(call)
+        except RequestError as e:
+            return self._error(e)
         self.stats["calls"] += 1
-        session.post(call)
         try:
             reply = await asyncio.wrap_future(call.reply)
         except asyncio.CancelledError:

@@ -389,11 +389,12 @@ class EpisodeRunner:
 
     def __init__(self, engine: ContinuationEngine, renderer: Renderer, env_config: EnvConfig,
                  factory: Callable[[], Environment], *, max_prompt_len: int, max_new_tokens: int,
-                 reprefill: bool = False, closing: Sequence[Callable[[], None]] = ()):
+                 reprefill: bool = False, closing: Sequence[Callable[[], None]] = (),
+                 more_metrics: Callable[[], dict] | None = None):
         """reprefill: prefill every turn's whole sequence again instead of continuing it (what the continuation
         saves, measured by tools/bench_multiturn.py; the episodes are the same); closing: what close() also
-        stops (an agent endpoint)."""
-        self.closing = list(closing)
+        stops (an agent endpoint); more_metrics: totals of its own for metrics() (the agent endpoint's)."""
+        self.closing, self.more_metrics = list(closing), more_metrics
         self.engine, self.renderer, self.config, self.factory = engine, renderer, env_config, factory
         self.reprefill = reprefill
         self.context = min(env_config.max_total_tokens, engine.context)
@@ -438,7 +439,8 @@ class EpisodeRunner:
         """Running totals: the engine's programs and tokens (rollout/continuation_*), turns, segments cut, answers
         truncated at the context, stuck calls and replaced loops; and the threads stuck now."""
         return {**self.engine.metrics(), **{f"rollout/episode_{k}": v for k, v in dict(self.stats).items()},
-                "rollout/episode_stuck_threads": self.stuck_threads()}
+                "rollout/episode_stuck_threads": self.stuck_threads(),
+                **(self.more_metrics() if self.more_metrics is not None else {})}
 
     # -- environment calls --
 
@@ -857,7 +859,7 @@ def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, mo
     before any compute; and the renderer is checked against the checkpoint's own chat template
     (render.renderer_for_run: env.renderer='' takes the renderer that fits it, an explicit one that does not fit
     is refused in one line)."""
-    closing = []
+    closing, more_metrics = [], None
     if env_config.agent:
         try:
             import openai  # noqa: F401 - the client each agent is given
@@ -875,6 +877,7 @@ def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, mo
         endpoint = AgentEndpoint(host=env_config.agent_host, temperature=sampler_config.temperature,
                                  top_p=sampler_config.top_p)
         closing.append(endpoint.close)
+        more_metrics = endpoint.metrics
 
         def factory():
             return AgentEnvironment(run, endpoint)
@@ -894,4 +897,4 @@ def make_episode_runner(env_config: EnvConfig, sampler_config: SamplerConfig, mo
                                 rows=sampler_config.slots or rows, context=episode_context(env_config, sampler_config),
                                 adapters=adapters, version=version)
     return EpisodeRunner(engine, renderer, env_config, factory, max_prompt_len=sampler_config.max_prompt_len,
-                         max_new_tokens=sampler_config.max_new_tokens, closing=closing)
+                         max_new_tokens=sampler_config.max_new_tokens, closing=closing, more_metrics=more_metrics)
