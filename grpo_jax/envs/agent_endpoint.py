@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 import threading
 import time
 
@@ -276,9 +277,12 @@ class AgentEndpoint:
 
     async def _start(self, host: str) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, 0)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp publishes no bound port
+        # A socket of our own, bound to a free port, so that the port is known (aiohttp's TCPSite publishes none).
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        await web.SockSite(self._runner, sock).start()
+        return sock.getsockname()[1]
 
     def open_session(self, loop: asyncio.AbstractEventLoop) -> AgentSession:
         """A new episode's session; its calls are posted to `loop` (the episode's event loop)."""
