@@ -17,7 +17,6 @@ path's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,42 +25,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_multiturn import ScriptedEnv  # noqa: E402
+from bench_multiturn import MAX_NEW, ScriptedEnv, parse_workload, workload  # noqa: E402
 
-from grpo_jax.data.tokenizer import Tokenizer  # noqa: E402
 from grpo_jax.envs.agent import AgentEnvironment, environment_agent  # noqa: E402
 from grpo_jax.envs.agent_endpoint import AgentEndpoint  # noqa: E402
 from grpo_jax.envs.environment import EnvConfig  # noqa: E402
-from grpo_jax.envs.render import make_renderer  # noqa: E402
-from grpo_jax.model.transformer import ModelConfig, create_model  # noqa: E402
 from grpo_jax.rollout.continuation import ContinuationEngine  # noqa: E402
 from grpo_jax.rollout.episodes import EpisodeRunner  # noqa: E402
-from grpo_jax.rollout.sampler import SamplerConfig  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--opening", type=int, default=128)
-    parser.add_argument("--answer", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=4.0)
-    args = parser.parse_args()
-
-    tokenizer = Tokenizer.synthetic_chat()
-    renderer = make_renderer("compact", tokenizer)
-    model = create_model(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2,
-                                     num_heads=4, num_kv_heads=2, tie_embeddings=True,
-                                     max_position_embeddings=4096), seed=0)
-    max_new = 512
-    sampler = SamplerConfig(temperature=args.temperature, max_new_tokens=max_new, max_prompt_len=args.opening + 16,
-                            chunk_steps=16)
-    context = args.opening + 16 + args.turns * (args.answer + 8) + max_new
-    rows = [{"prompt": ""} for _ in range(args.rows)]
-    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), args.rows)))
+    args = parse_workload(__doc__, rows=64)
+    tokenizer, renderer, model, sampler, context, rows, keys = workload(args)
     endpoint = AgentEndpoint(temperature=args.temperature)
 
     def scripted():
@@ -76,7 +52,7 @@ def main() -> None:
         engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler, rows=args.rows,
                                     context=context)
         runners[name] = EpisodeRunner(engine, renderer, env, factory, max_prompt_len=sampler.max_prompt_len,
-                                      max_new_tokens=max_new)
+                                      max_new_tokens=MAX_NEW)
 
     def run(name):
         start = time.perf_counter()

@@ -56,34 +56,46 @@ class ScriptedEnv(Environment):
         return "".join(str(d) for d in self.rng.integers(0, 10, size=n))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=32)
+MAX_NEW = 512
+
+
+def parse_workload(doc: str, rows: int) -> argparse.Namespace:
+    """The workload's command line (module docstring), `rows` episodes by default."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=rows)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--opening", type=int, default=128)
     parser.add_argument("--answer", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=4.0)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def workload(args: argparse.Namespace):
+    """(tokenizer, renderer, model, sampler config, context, rows, keys) of the benchmark's episodes."""
     tokenizer = Tokenizer.synthetic_chat()
     renderer = make_renderer("compact", tokenizer)
     model = create_model(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2,
                                      num_heads=4, num_kv_heads=2, tie_embeddings=True,
                                      max_position_embeddings=4096), seed=0)
-    max_new = 512
-    sampler = SamplerConfig(temperature=args.temperature, max_new_tokens=max_new, max_prompt_len=args.opening + 16,
+    sampler = SamplerConfig(temperature=args.temperature, max_new_tokens=MAX_NEW, max_prompt_len=args.opening + 16,
                             chunk_steps=16)
-    context = args.opening + 16 + args.turns * (args.answer + 8) + max_new
-    env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=context, step_timeout_s=30.0)
+    context = args.opening + 16 + args.turns * (args.answer + 8) + MAX_NEW
     rows = [{"prompt": ""} for _ in range(args.rows)]
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), args.rows)))
+    return tokenizer, renderer, model, sampler, context, rows, keys
+
+
+def main() -> None:
+    args = parse_workload(__doc__, rows=32)
+    tokenizer, renderer, model, sampler, context, rows, keys = workload(args)
+    env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=context, step_timeout_s=30.0)
     runners = {}
     for name, reprefill in (("continue", False), ("prefill again", True)):
         engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler, rows=args.rows,
                                     context=context)
         runners[name] = EpisodeRunner(engine, renderer, env, lambda: ScriptedEnv(args.opening, args.answer),
-                                      max_prompt_len=sampler.max_prompt_len, max_new_tokens=max_new,
+                                      max_prompt_len=sampler.max_prompt_len, max_new_tokens=MAX_NEW,
                                       reprefill=reprefill)
 
     def run(name):

@@ -376,14 +376,20 @@ class Qwen2Renderer(Renderer):
         return tagged_turn(text, finish)
 
 
-def tagged_turn(text: str, finish: str) -> AssistantTurn:
-    """An assistant turn whose calls are <tool_call> blocks (Qwen's format; Gemma 3's here)."""
-    content, calls, error = _parse_tagged_calls(text)
+def calls_turn(text: str, content: str, calls: Sequence[ToolCall], parse_error: str | None,
+               finish: str) -> AssistantTurn:
+    """The AssistantTurn of a parsed turn: its content and calls, with the history message they make."""
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = message_calls(calls)
-    return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=error, finish=finish,
+    return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error=parse_error, finish=finish,
                          message=message)
+
+
+def tagged_turn(text: str, finish: str) -> AssistantTurn:
+    """An assistant turn whose calls are <tool_call> blocks (Qwen's format; Gemma 3's here)."""
+    content, calls, error = _parse_tagged_calls(text)
+    return calls_turn(text, content, calls, error, finish)
 
 
 def _qwen_tool_response(messages: Sequence[dict], i: int) -> str:
@@ -761,11 +767,7 @@ class CompactRenderer(Renderer):
                 calls.append(call)
             else:
                 errors.append(error)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = message_calls(calls)
-        return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error="; ".join(errors) or None,
-                             finish=finish, message=message)
+        return calls_turn(text, content, calls, "; ".join(errors) or None, finish)
 
 
 RENDERERS: dict[str, type[Renderer]] = {

@@ -43,6 +43,7 @@ from grpo_jax.data.tokenizer import Tokenizer
 from grpo_jax.envs.render import (
     AssistantTurn,
     Renderer,
+    calls_turn,
     folded_messages,
     json_call_turn,
     message_calls,
@@ -100,11 +101,7 @@ def mistral_turn(text: str, finish: str) -> AssistantTurn:
                 calls.append(call)
             else:
                 errors.append(error)
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = message_calls(calls)
-    return AssistantTurn(text=text, content=content, tool_calls=tuple(calls), parse_error="; ".join(errors) or None,
-                         finish=finish, message=message)
+    return calls_turn(text, content, calls, "; ".join(errors) or None, finish)
 
 
 def plain_turn(text: str, finish: str) -> AssistantTurn:
