@@ -23,7 +23,7 @@ REWARDS = arrays(np.float32, (N, G), elements=st.sampled_from([0.0, 0.5, 1.0, -1
 VALID = arrays(np.bool_, (N, G))
 
 
-def reference(rewards, valid, baseline, scale_by_std, ddof, eps=1e-6):
+def reference(rewards, valid, baseline, scale_by_std, ddof, eps=1e-6, positive_weight=1.0):
     adv = np.zeros_like(rewards)
     zero_var = np.zeros(len(rewards), bool)
     for g, (row, ok) in enumerate(zip(rewards, valid)):
@@ -39,7 +39,8 @@ def reference(rewards, valid, baseline, scale_by_std, ddof, eps=1e-6):
                 continue
             base = mean if baseline == "mean" else (sum(vals) - row[j]) / (n - 1)
             a = row[j] - base
-            adv[g, j] = a / (std + eps) if scale_by_std else a
+            a = a / (std + eps) if scale_by_std else a
+            adv[g, j] = positive_weight * a if a > 0 else a
     return adv, zero_var
 
 
@@ -47,7 +48,8 @@ def reference(rewards, valid, baseline, scale_by_std, ddof, eps=1e-6):
 @pytest.mark.parametrize("scale_by_std", [True, False])
 @pytest.mark.parametrize("ddof", [0, 1])
 @pytest.mark.parametrize("with_valid", [False, True])
-def test_matches_numpy_reference(baseline, scale_by_std, ddof, with_valid):
+@pytest.mark.parametrize("positive_weight", [1.0, 0.1])
+def test_matches_numpy_reference(baseline, scale_by_std, ddof, with_valid, positive_weight):
     rng = np.random.default_rng(0)
     r = rng.integers(0, 3, size=(8, 5)) / 2.0
     r[0] = 0.5  # zero variance
@@ -55,8 +57,9 @@ def test_matches_numpy_reference(baseline, scale_by_std, ddof, with_valid):
     if with_valid:
         valid = rng.random((8, 5)) > 0.25
         valid[1] = [True, False, False, False, False]  # one valid sample: no signal
-    adv, zv = group_advantages(r, valid if with_valid else None, baseline, scale_by_std, ddof)
-    ref_adv, ref_zv = reference(r, valid, baseline, scale_by_std, ddof)
+    adv, zv = group_advantages(r, valid if with_valid else None, baseline, scale_by_std, ddof,
+                               positive_weight=positive_weight)
+    ref_adv, ref_zv = reference(r, valid, baseline, scale_by_std, ddof, positive_weight=positive_weight)
     np.testing.assert_array_equal(np.asarray(zv), ref_zv)
     np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-6)
 
@@ -73,6 +76,18 @@ def test_mean_baseline_has_zero_group_mean_and_invalid_get_zero(r, valid):
         ref_adv, ref_zv = reference(r, valid, "mean", scale, 1)
         np.testing.assert_array_equal(zv, ref_zv)
         np.testing.assert_allclose(adv, ref_adv, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(r=REWARDS, valid=VALID, weight=st.sampled_from([0.0, 0.1, 1.0]) | st.floats(0.01, 1.0))
+def test_positive_weight_scales_only_the_better_samples(r, valid, weight):
+    """W-REINFORCE: a sample better than its group keeps its sign and is scaled by the weight; a worse one, a
+    zero-variance group and a sample that does not count are as GRPO has them."""
+    grpo, zv = map(np.asarray, group_advantages(r, valid))
+    weighted, zv_weighted = map(np.asarray, group_advantages(r, valid, positive_weight=weight))
+    np.testing.assert_array_equal(zv_weighted, zv)
+    np.testing.assert_array_equal(weighted[grpo <= 0], grpo[grpo <= 0])
+    np.testing.assert_allclose(weighted[grpo > 0], np.float32(weight) * grpo[grpo > 0], rtol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)

@@ -19,7 +19,7 @@ BASELINES = ("mean", "leave_one_out")
 
 
 def group_advantages(rewards, valid=None, baseline: str = "mean", scale_by_std: bool = True,
-                     std_ddof: int = 1, eps: float = 1e-6):
+                     std_ddof: int = 1, eps: float = 1e-6, positive_weight: float = 1.0):
     """Per-sample advantages [num_groups, G] and a zero-variance mask [num_groups] (bool).
 
     baseline:
@@ -29,6 +29,10 @@ def group_advantages(rewards, valid=None, baseline: str = "mean", scale_by_std: 
     std_ddof: 1 (default) is the unbiased sample std, matching torch.std in the reference GRPO
       implementations (TRL); 0 is the population std. Counts are clamped so tiny groups never divide
       by zero.
+    positive_weight: multiplies the advantages above 0 (W-REINFORCE, Zhu et al. 2025, "The Surprising
+      Effectiveness of Negative Reinforcement in LLM Reasoning"). Below 1, a sample better than its group is
+      reinforced less than a worse one is penalized: penalizing a token moves its probability to the others in
+      proportion to theirs, so the policy sharpens more slowly and keeps exploring; 1 is GRPO.
 
     A group is zero-variance when all its valid rewards are exactly equal (or it has fewer than two
     valid samples): it carries no learning signal and its advantages are exactly 0 (not rounding
@@ -54,6 +58,7 @@ def group_advantages(rewards, valid=None, baseline: str = "mean", scale_by_std: 
     hi = jnp.where(v, r, -big).max(axis=1)
     lo = jnp.where(v, r, big).min(axis=1)
     zero_var = (hi <= lo) | (n[:, 0] < 2)
+    adv = jnp.where(adv > 0, positive_weight * adv, adv)
     adv = jnp.where(v & ~zero_var[:, None], adv, 0.0)
     return adv, zero_var
 
@@ -132,6 +137,9 @@ class GRPOConfig:
     baseline: str = config_key("mean", "What a completion's reward is compared to: mean (GRPO, the group's mean) or "
                                        "leave_one_out (the mean of the others).")
     scale_by_std: bool = config_key(True, "Divide advantages by the group's reward std; false: Dr. GRPO.")
+    positive_weight: float = config_key(1.0, "Multiplies advantages above 0 (W-REINFORCE's lambda): below 1, better "
+                                             "samples are reinforced less than worse ones are penalized, which "
+                                             "keeps the policy exploring; 1 is GRPO.")
     filter_zero_variance: bool = config_key(False, "DAPO dynamic sampling: drop groups whose rewards are all "
                                                    "equal.")
 
@@ -145,4 +153,7 @@ class GRPOConfig:
             problems.append(f"max_staleness={self.max_staleness}: must be >= 0")
         if self.baseline not in BASELINES:
             problems.append(f"baseline={self.baseline!r}: allowed mean, leave_one_out")
+        if not 0.0 <= self.positive_weight <= 1.0:
+            problems.append(f"positive_weight={self.positive_weight}: a number from 0 to 1 (1 is GRPO; W-REINFORCE "
+                            "uses 0.1)")
         return problems

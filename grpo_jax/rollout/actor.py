@@ -140,7 +140,8 @@ class Actor:
         g = grpo.group_size
         self._rows = collector.handout_size
         self._advantages = jax.jit(functools.partial(group_advantages, baseline=grpo.baseline,
-                                                     scale_by_std=grpo.scale_by_std))
+                                                     scale_by_std=grpo.scale_by_std,
+                                                     positive_weight=grpo.positive_weight))
         self._keys = jax.jit(jax.vmap(lambda base, ordinal, regenerations: jax.random.key_data(
             jax.random.split(group_key(base, ordinal, regenerations), g)), in_axes=(None, 0, 0)))
         self._thread = threading.Thread(target=self._run, name="grpo-actor", daemon=True)
@@ -538,7 +539,11 @@ class Actor:
             self.generated_tokens += sum(sum(sum(s.loss_mask) for s in e.trajectory.segments)
                                          for e in eps if e.trajectory is not None)
             failed = [e for e in eps if e.failure is not None]
-            self.env_failures.update(e.failure for e in failed)
+            for e in failed:
+                if not self.env_failures[e.failure]:  # a kept group's failures reach no ledger line: say the first
+                    logger.warning("an episode failed (%s): %s; later ones are counted in env/failed_%s",
+                                   e.failure, e.detail, e.failure)
+                self.env_failures[e.failure] += 1
             steps = step_rewards(eps, self.sampler.config.max_turns)
             judged = Judged(valid=valid[i], rewards=rewards[i], advantages=advantages[i], step_rewards=steps)
             if failed:
