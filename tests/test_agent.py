@@ -246,12 +246,35 @@ FINISHES: list = []
 
 
 async def capped(row, client):
-    """Asks for at most 5 tokens, and is told the episode ended when it goes on."""
+    """Asks for at most 5 tokens, then asks again with the cut reply in its history."""
+    messages = [{"role": "user", "content": "Hi."}]
+    response = await client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    choice = response.choices[0]
+    FINISHES.append((choice.finish_reason, len(choice.model_extra["token_ids"])))
+    messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "Go on."}]
+    response = await client.chat.completions.create(model="m", messages=messages)
+    FINISHES.append((response.choices[0].finish_reason, len(response.choices[0].model_extra["token_ids"])))
+    return 1.0
+
+
+def test_a_turn_cut_at_the_calls_max_tokens_goes_on_in_a_new_segment(renderer, endpoint):
+    FINISHES.clear()
+    script = [turn_ids(renderer, "Hello there."), turn_ids(renderer, "More.")]
+    results = run_batch(scripted_runner(renderer, endpoint, capped, [script] * 2), 2)
+    assert [(r.failure, r.reward, r.trajectory.truncated, r.turns) for r in results] == [(None, 1.0, False, 2)] * 2
+    assert sorted(FINISHES) == [("length", 5)] * 2 + [("stop", len(script[1]))] * 2  # two episodes at once
+    for result in results:
+        first, second = result.trajectory.segments
+        assert sum(first.loss_mask) == 5 and sum(second.loss_mask) == len(script[1])
+        assert result.trajectory.cuts == ["the last turn was cut at its caller's token limit, without an end-of-turn "
+                                          "id"]
+
+
+async def capped_at_the_end(row, client):
+    """Asks for more tokens than the sequence has room for: the cut is the run's, and the episode ends."""
     import openai
 
-    response = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}],
-                                                    max_tokens=5)
-    FINISHES.append((response.choices[0].finish_reason, len(response.choices[0].model_extra["token_ids"])))
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}], max_tokens=4000)
     try:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
     except openai.ConflictError:
@@ -259,11 +282,11 @@ async def capped(row, client):
     return 1.0
 
 
-def test_max_tokens_caps_the_turn_and_the_cut_episode_is_trained_truncated(renderer, endpoint):
-    FINISHES.clear()
-    results = run_batch(scripted_runner(renderer, endpoint, capped, [[turn_ids(renderer, "Hello there.")]] * 2), 2)
-    assert [(r.failure, r.reward, r.trajectory.truncated) for r in results] == [(None, 0.0, True)] * 2
-    assert FINISHES == [("length", 5)] * 2
+def test_a_turn_cut_at_the_sequences_limit_ends_the_episode_truncated(renderer, endpoint):
+    script = [turn_ids(renderer, "Hello there, a long reply. " * 4)]
+    results = run_batch(scripted_runner(renderer, endpoint, capped_at_the_end, [script] * 2, max_total_tokens=40), 2)
+    assert [(r.failure, r.reward, r.trajectory.truncated) for r in results] == [(None, 0.0, True)] * 2, \
+        [r.detail for r in results]
 
 
 async def raising(row, client):

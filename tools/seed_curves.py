@@ -7,9 +7,11 @@ run's own `time/elapsed_s`) at which the mean of the last `--window` steps reach
 the run's last `--window` steps. The last line says how many seeds reached the target within `--minutes`.
 
     python tools/seed_curves.py configs/tiny_multiturn_cpu.yaml [--seeds 0 1 2 3 4] [--out runs/seed_curves]
-        [--target 0.8] [--window 10] [--minutes 10] [--every 50] [--read-only] [OVERRIDE ...]
+        [--target 0.8] [--window 10] [--minutes 10] [--every 50] [--stop-when-reached] [--read-only] [OVERRIDE ...]
 
-OVERRIDEs (`key=value`) go to every run. `--read-only` prints the curves of runs already in OUT.
+OVERRIDEs (`key=value`) go to every run. `--stop-when-reached` stops each run (SIGTERM: it checkpoints and exits)
+once it reached the target, to measure more seeds in less time. `--read-only` prints the curves of runs already
+in OUT.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +47,8 @@ class SeedCurve:
 
 def read_curve(run_dir: Path, seed: int) -> SeedCurve:
     rewards, elapsed = [], []
-    for number, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines(), start=1):
+    metrics = run_dir / "metrics.jsonl"
+    for number, line in enumerate(metrics.read_text().splitlines() if metrics.exists() else [], start=1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -55,16 +59,24 @@ def read_curve(run_dir: Path, seed: int) -> SeedCurve:
     return SeedCurve(seed=seed, rewards=rewards, elapsed_s=elapsed)
 
 
-def train(config: str, seed: int, run_dir: Path, overrides: list[str]) -> float:
-    """Runs `grpo-jax train` for one seed; returns its wall-clock seconds (start-up included)."""
+def train(config: str, seed: int, run_dir: Path, overrides: list[str], stop_when=None) -> float:
+    """Runs `grpo-jax train` for one seed; returns its wall-clock seconds from launch (start-up included) to its
+    end. `stop_when(curve)`, checked every 2 s, stops the run (SIGTERM) once true."""
     start = time.perf_counter()
     command = [sys.executable, "-m", "grpo_jax.cli", "train", config, f"seed={seed}", f"run_dir={run_dir}", *overrides]
     with open(run_dir.with_suffix(".log"), "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"seed {seed}: grpo-jax train exited {done.returncode}; its output: "
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        stopped = False
+        while process.poll() is None:
+            time.sleep(2.0)
+            if stop_when is not None and not stopped and stop_when(read_curve(run_dir, seed)):
+                process.send_signal(signal.SIGTERM)
+                stopped = True
+    wall_s = time.perf_counter() - start
+    if process.returncode not in ((0, 75) if stopped else (0,)):  # 75: stopped by the signal, checkpointed
+        raise SystemExit(f"seed {seed}: grpo-jax train exited {process.returncode}; its output: "
                          f"{run_dir.with_suffix('.log')}")
-    return time.perf_counter() - start
+    return wall_s
 
 
 def report(curve: SeedCurve, args, wall_s: float | None) -> bool:
@@ -74,7 +86,7 @@ def report(curve: SeedCurve, args, wall_s: float | None) -> bool:
     last = curve.window_means(args.window)[-1] if curve.rewards else float("nan")
     in_time = reached is not None and curve.elapsed_s[reached] <= args.minutes * 60
     when = (f"step {reached + 1} ({curve.elapsed_s[reached]:.0f} s)" if reached is not None else "never")
-    wall = f", {wall_s:.0f} s with start-up" if wall_s is not None else ""
+    wall = f", {wall_s:.0f} s from launch to end" if wall_s is not None else ""
     print(f"seed {curve.seed}: {len(curve.rewards)} steps{wall}; mean reward per {args.every} steps "
           f"{' '.join(f'{x:.2f}' for x in every)}; last-{args.window} mean {args.target} first at {when}; "
           f"last {args.window} steps {last:.2f} -> {'PASS' if in_time else 'FAIL'}")
@@ -91,6 +103,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--stop-when-reached", action="store_true", help="stop each run once it reached the target")
     parser.add_argument("--read-only", action="store_true", help="print the curves of the runs already in --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +114,9 @@ def main() -> None:
         if not args.read_only:
             if run_dir.exists():
                 raise SystemExit(f"{run_dir}: exists; remove it, or pass --read-only to read it")
-            wall_s = train(args.config, seed, run_dir, args.overrides)
+            stop_when = ((lambda curve: curve.first_reaching(args.target, args.window) is not None)
+                         if args.stop_when_reached else None)
+            wall_s = train(args.config, seed, run_dir, args.overrides, stop_when)
         passed += report(read_curve(run_dir, seed), args, wall_s)
     print(f"{passed} of {len(args.seeds)} seeds reached a last-{args.window}-step mean reward of {args.target} "
           f"within {args.minutes:g} minutes")

@@ -68,6 +68,7 @@ class Trajectory:
         self._next = "turn"  # what may come: "turn", "step", or "" once the trajectory ended
         self._before_step: tuple | None = None  # what add_step changed, for take_back_step
         self._last_text: str | None = None  # the last turn's text as sampled (Renderer.append_ids' `sampled`)
+        self._cut_by_caller = False  # the last turn was cut at its caller's limit (add_turn's `capped`)
         self._start_segment(self._checked(prompt.ids) if prompt is not None else
                             renderer.initial_ids(self.messages, tools))
 
@@ -106,9 +107,13 @@ class Trajectory:
         column_logprobs.extend([float(x) for x in logprobs] if sampled else [0.0] * len(ids))
         column_versions.extend([int(v) for v in versions] if sampled else [NO_VERSION] * len(ids))
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], weight_versions: Sequence[int]) -> AssistantTurn:
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], weight_versions: Sequence[int], *,
+                 capped: bool = False) -> AssistantTurn:
         """The sampled ids of one assistant turn (its stop id included, when sampled), each token's behaviour
-        log-prob and weight version. Returns the parsed turn, for the environment's step."""
+        log-prob and weight version. Returns the parsed turn, for the environment's step. A turn that ends
+        without an end-of-turn id ends the trajectory truncated, unless `capped`: it was cut at a limit its caller
+        set (an agent's max_tokens) with room left, and a step may follow it, in a new segment (the model never
+        closed the turn, so no render of the conversation extends the ids held)."""
         if self._next != "turn":
             raise ValueError("add_turn: " + ("the trajectory has ended" if self.ended else
                                              "an assistant turn needs an environment step (add_step) before it"))
@@ -125,8 +130,10 @@ class Trajectory:
         self._last_text = turn.text
         self.turns += 1
         self.tool_calls += len(turn.tool_calls)
-        self.truncated = self.truncated or turn.finish == "length"
-        self._next = "step" if turn.finish == "stop" else ""
+        cut = turn.finish == "length"
+        self._cut_by_caller = cut and capped
+        self.truncated = self.truncated or (cut and not capped)
+        self._next = "step" if turn.finish == "stop" or self._cut_by_caller else ""
         return turn
 
     def add_step(self, messages: Sequence[dict], *, tool_errors: int = 0,
@@ -154,6 +161,8 @@ class Trajectory:
             return True
         if history is not None:
             ids = CannotExtend(reason="the environment gave the conversation anew (StepResult.history)")
+        elif self._cut_by_caller:
+            ids = CannotExtend(reason="the last turn was cut at its caller's token limit, without an end-of-turn id")
         else:
             ids = self.renderer.append_ids(self.messages, messages, self.tools, sampled=self._last_text)
         self._before_step = (len(self._columns), len(self._columns[-1][0]), list(self.messages), self.tool_errors)

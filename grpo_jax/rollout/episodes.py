@@ -689,9 +689,15 @@ class EpisodeRunner:
         except (ValueError, TypeError) as exc:
             raise _EpisodeFailure("env_error", f"step() returned messages the renderer refuses: {exc}") from exc
 
+    def _room_left(self, e: _Episode, pending: int = 0) -> int:
+        """Tokens the episode's sequence may still sample, by the run's limits, with `pending` sampled ids not yet
+        in its trajectory."""
+        return min(self.context - len(e.result.trajectory.current_ids) - pending,
+                   self.max_new_tokens - e.sampled_in_segment)
+
     def _room(self, e: _Episode) -> int:
         """Tokens the episode may sample in its next turn (the environment's own limit too: an agent's max_tokens)."""
-        room = min(self.context - len(e.result.trajectory.current_ids), self.max_new_tokens - e.sampled_in_segment)
+        room = self._room_left(e)
         limit = e.env.turn_token_limit()
         return room if limit is None else min(room, limit)
 
@@ -733,10 +739,15 @@ class EpisodeRunner:
         ids, logprobs, versions = e.turn
         e.turn = ([], [], [])
         e.sampled_in_segment += len(ids)
-        prompt_ids = tuple(trajectory.current_ids)
-        turn = trajectory.add_turn(ids, logprobs, versions)
-        e.env.note_turn(turn, TurnTokens(prompt_ids=prompt_ids, ids=tuple(ids), logprobs=tuple(logprobs),
-                                         versions=tuple(versions)))
+        # Cut at the environment's own limit (an agent's max_tokens) with room left: its episode may go on.
+        limit = e.env.turn_token_limit()
+        capped = limit is not None and len(ids) >= limit and self._room_left(e, len(ids)) > 0
+        listens = type(e.env).note_turn is not Environment.note_turn  # copy the sequence's ids only for a listener
+        prompt_ids = tuple(trajectory.current_ids) if listens else ()
+        turn = trajectory.add_turn(ids, logprobs, versions, capped=capped)
+        if listens:
+            e.env.note_turn(turn, TurnTokens(prompt_ids=prompt_ids, ids=tuple(ids), logprobs=tuple(logprobs),
+                                             versions=tuple(versions)))
         self.stats["turns"] += 1
         if trajectory.ended:  # cut off at its room, or an end-of-text id
             e.over = True
