@@ -928,10 +928,10 @@ def renderer_for_run(family: str, tokenizer: Tokenizer, options: dict, *, explic
     try:
         renderer = _construct(family, tokenizer, options)
         difference = template_difference(renderer, with_tools)
-    except ConfigError as e:  # not this family's tokens
+    except ConfigError:  # not this family's tokens
         if explicit or tokenizer.chat_template is None:
             raise
-        difference = str(e)
+        difference = f"its tokenizer is not a {family} tokenizer (it lacks {family}'s special tokens)"
     if difference is None:
         logger.info("multi-turn renderer: %s, %s", family, "which renders a probe conversation as the chat template "
                     f"of {model} does" if tokenizer.chat_template is not None else f"({model} has no chat template)")
