@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--stop-when-reached", action="store_true", help="stop each run once it reached the target")
     parser.add_argument("--read-only", action="store_true", help="print the curves of the runs already in --out")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
     passed = 0
     for seed in args.seeds:

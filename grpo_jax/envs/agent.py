@@ -29,10 +29,9 @@ calls the model after its run() returned. A turn cut at the call's own `max_toke
 not end the episode while the run's limits leave room: the agent's next call goes on in a new segment (the model
 never closed that turn, so no render of the conversation extends its ids). Once the trainer ended the episode (the
 model ended the conversation, a turn hit the sequence's limits, env.max_turns) a further call is answered 409
-(openai.ConflictError), and the agent may
-still return its reward: the episode is trained as it stands, truncated, as an environment's would be; an agent
-that lets the error propagate fails its episode. Calls after the episode was closed get 410 and are counted.
-An agent taking a `seed` parameter gets the episode's seed.
+(openai.ConflictError), and the agent may still return its reward: the episode is trained as it stands, truncated,
+as an environment's would be; an agent that lets the error propagate fails its episode. Calls after the episode
+was closed get 410 and are counted. An agent taking a `seed` parameter gets the episode's seed.
 """
 
 from __future__ import annotations

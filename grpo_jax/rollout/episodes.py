@@ -20,7 +20,9 @@ sequence (segment) holds at most `context` = min(env.max_total_tokens, sampler.m
 sampler.max_new_tokens) tokens, of which the opening prompt at most sampler.max_prompt_len and the sampled ones
 at most sampler.max_new_tokens. A turn is cut off at the room left, and an episode whose environment answer leaves
 no room for another turn ends before that answer (Trajectory.take_back_step): both are truncated, and trained
-with their reward, as a single-turn completion at its token limit is (env/truncated counts them).
+with their reward, as a single-turn completion at its token limit is (env/truncated counts them). A turn cut at
+the environment's own limit (Environment.turn_token_limit: an agent call's max_tokens) with room left is not: the
+episode goes on, its next step in a new segment.
 
 An environment's messages are sized before they are rendered, at a cost that grows with the context, not with the
 messages (token_floor: Tokenizer.min_tokens over growing prefixes): an opening that provably needs more than
