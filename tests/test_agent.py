@@ -10,7 +10,9 @@ calls again after its episode ended. Requests the endpoint refuses are one-line 
 the real continuation engine on a tiny model: each response's log-probs are a full forward pass's."""
 
 import asyncio
+import importlib.util
 import json
+import pathlib
 import urllib.parse
 
 import aiohttp
@@ -31,6 +33,8 @@ from grpo_jax.rollout.continuation import ContinuationEngine
 from grpo_jax.rollout.episodes import EpisodeRunner
 from grpo_jax.rollout.sampler import SamplerConfig
 from test_episodes import ScriptedEngine
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two numbers.",
@@ -447,3 +451,23 @@ def test_grpo_jax_train_with_an_agent_trains_and_audits_clean(tmp_path):
     assert {k: v for k, v in history[-1].items() if k.startswith("env/failed_")} == {
         "env/failed_env_error": 0, "env/failed_env_timeout": 0, "env/failed_context_limit": 0}
     assert main(["audit", str(tmp_path / "run")]) == 0
+
+
+def test_the_example_gsm8k_agent_asks_again_for_a_missing_answer_line_and_scores_the_reply(renderer, endpoint):
+    """examples/gsm8k_agent.py (configs/smollm2_gsm8k_agent_cpu.yaml's agent), run against scripted turns."""
+    spec = importlib.util.spec_from_file_location("gsm8k_agent", REPO / "examples" / "gsm8k_agent.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert check_agent(example.run) is example.run
+    scripts = [[turn_ids(renderer, "2 + 3 = 5.\n#### 5")],
+               [turn_ids(renderer, "It is five."), turn_ids(renderer, "#### 4")]]
+    runner = scripted_runner(renderer, endpoint, example.run, scripts)
+    rows = [{"id": i, "question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"} for i in range(2)]
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 2)))
+    try:
+        results = runner.run(rows, [0, 1], keys)
+    finally:
+        runner.close()
+    assert [(r.failure, r.turns, r.reward) for r in results] == [(None, 1, 2.0), (None, 2, 1.0)], \
+        [r.detail for r in results]
+    assert example.final_number("so\n#### 1,234\n") == "1234" and example.final_number("#### five") is None
