@@ -12,9 +12,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 
 
-def test_every_shipped_config_loads():
+def test_every_shipped_config_loads(monkeypatch):
     configs = sorted((REPO / "configs").glob("*.yaml"))
     assert TINY in configs
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # the agent configs' modules, as the README runs them
     for path in configs:
         load_config(Config, path)
 
