@@ -26,18 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from bench_multiturn import MAX_NEW, ScriptedEnv, parse_workload, workload  # noqa: E402
+from bench_multiturn import ScriptedEnv, parse_workload, workload  # noqa: E402
 
 from grpo_jax.envs.agent import AgentEnvironment, environment_agent  # noqa: E402
 from grpo_jax.envs.agent_endpoint import AgentEndpoint  # noqa: E402
 from grpo_jax.envs.environment import EnvConfig  # noqa: E402
-from grpo_jax.rollout.continuation import ContinuationEngine  # noqa: E402
-from grpo_jax.rollout.episodes import EpisodeRunner  # noqa: E402
 
 
 def main() -> None:
     args = parse_workload(__doc__, rows=64)
-    tokenizer, renderer, model, sampler, context, rows, keys = workload(args)
+    work = workload(args)
+    rows, keys = work.rows, work.keys
     endpoint = AgentEndpoint(temperature=args.temperature)
 
     def scripted():
@@ -45,14 +44,9 @@ def main() -> None:
 
     agent = environment_agent(scripted)
     factories = {"in-process": scripted, "endpoint": lambda: AgentEnvironment(agent, endpoint)}
-    runners = {}
-    for name, factory in factories.items():
-        env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=context, step_timeout_s=60.0,
-                        concurrency=args.rows)
-        engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler, rows=args.rows,
-                                    context=context)
-        runners[name] = EpisodeRunner(engine, renderer, env, factory, max_prompt_len=sampler.max_prompt_len,
-                                      max_new_tokens=MAX_NEW)
+    env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=work.context, step_timeout_s=60.0,
+                    concurrency=args.rows)
+    runners = {name: work.runner(env, factory) for name, factory in factories.items()}
 
     def run(name):
         start = time.perf_counter()

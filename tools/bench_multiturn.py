@@ -17,6 +17,7 @@ continuing over prefilling again.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -29,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from grpo_jax.data.tokenizer import Tokenizer  # noqa: E402
 from grpo_jax.envs.environment import EnvConfig, Environment, StepResult  # noqa: E402
-from grpo_jax.envs.render import make_renderer  # noqa: E402
+from grpo_jax.envs.render import Renderer, make_renderer  # noqa: E402
 from grpo_jax.model.transformer import ModelConfig, create_model  # noqa: E402
 from grpo_jax.rollout.continuation import ContinuationEngine  # noqa: E402
 from grpo_jax.rollout.episodes import EpisodeRunner  # noqa: E402
@@ -71,32 +72,47 @@ def parse_workload(doc: str, rows: int) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def workload(args: argparse.Namespace):
-    """(tokenizer, renderer, model, sampler config, context, rows, keys) of the benchmark's episodes."""
-    tokenizer = Tokenizer.synthetic_chat()
-    renderer = make_renderer("compact", tokenizer)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The benchmark's episodes: the tiny model and its sampler, `rows` openings and their keys."""
+
+    tokenizer: Tokenizer
+    renderer: Renderer
+    model: object
+    sampler: SamplerConfig
+    context: int  # the tokens one sequence may hold: the opening, every turn and answer, and the sampled tokens
+    rows: list[dict]
+    keys: np.ndarray  # [rows, 2] uint32
+
+    def runner(self, env: EnvConfig, factory, *, reprefill: bool = False) -> EpisodeRunner:
+        """An EpisodeRunner of `factory`'s environments on a continuation engine of its own, one row an episode."""
+        engine = ContinuationEngine(self.model, self.renderer.stop_ids, self.tokenizer.pad_id, self.sampler,
+                                    rows=len(self.rows), context=self.context)
+        return EpisodeRunner(engine, self.renderer, env, factory, max_prompt_len=self.sampler.max_prompt_len,
+                             max_new_tokens=MAX_NEW, reprefill=reprefill)
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """The benchmark's episodes, as the command line sets them."""
     model = create_model(ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2,
                                      num_heads=4, num_kv_heads=2, tie_embeddings=True,
                                      max_position_embeddings=4096), seed=0)
     sampler = SamplerConfig(temperature=args.temperature, max_new_tokens=MAX_NEW, max_prompt_len=args.opening + 16,
                             chunk_steps=16)
-    context = args.opening + 16 + args.turns * (args.answer + 8) + MAX_NEW
-    rows = [{"prompt": ""} for _ in range(args.rows)]
-    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), args.rows)))
-    return tokenizer, renderer, model, sampler, context, rows, keys
+    tokenizer = Tokenizer.synthetic_chat()
+    return Workload(tokenizer=tokenizer, renderer=make_renderer("compact", tokenizer), model=model, sampler=sampler,
+                    context=args.opening + 16 + args.turns * (args.answer + 8) + MAX_NEW,
+                    rows=[{"prompt": ""} for _ in range(args.rows)],
+                    keys=np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), args.rows))))
 
 
 def main() -> None:
     args = parse_workload(__doc__, rows=32)
-    tokenizer, renderer, model, sampler, context, rows, keys = workload(args)
-    env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=context, step_timeout_s=30.0)
-    runners = {}
-    for name, reprefill in (("continue", False), ("prefill again", True)):
-        engine = ContinuationEngine(model, renderer.stop_ids, tokenizer.pad_id, sampler, rows=args.rows,
-                                    context=context)
-        runners[name] = EpisodeRunner(engine, renderer, env, lambda: ScriptedEnv(args.opening, args.answer),
-                                      max_prompt_len=sampler.max_prompt_len, max_new_tokens=MAX_NEW,
-                                      reprefill=reprefill)
+    work = workload(args)
+    rows, keys = work.rows, work.keys
+    env = EnvConfig(name="bench", max_turns=args.turns, max_total_tokens=work.context, step_timeout_s=30.0)
+    runners = {name: work.runner(env, lambda: ScriptedEnv(args.opening, args.answer), reprefill=reprefill)
+               for name, reprefill in (("continue", False), ("prefill again", True))}
 
     def run(name):
         runner = runners[name]
