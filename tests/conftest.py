@@ -151,12 +151,14 @@ LONGEST_FIRST = ["test_multiprocess", "test_multiturn_training", "test_compile",
                  "test_gguf", "test_trainer", "test_resume_e2e", "test_weight_sync", "test_packing", "test_moe",
                  "test_evaluation", "test_engine", "test_warm_start", "test_run_dir_faults", "test_fit", "test_plan",
                  "test_checkpoint", "test_sampler", "test_losses", "test_checkpoint_faults"]
-# The fast tier's complement (pytest -m "not slow"): tools/slow_tests.py writes it from measured durations.
-SLOW_TESTS = pathlib.Path(__file__).with_name("slow_tests.txt")
+# The fast tier's complement (pytest -m "not long"): tools/long_tests.py writes it from measured durations. (The
+# `slow` marker is another thing: the few tests that train a run to a learning target, marked where they are
+# written, which the README's test command leaves out.)
+LONG_TESTS = pathlib.Path(__file__).with_name("long_tests.txt")
 
 
-def slow_test_ids() -> set[str]:
-    lines = SLOW_TESTS.read_text().splitlines()
+def long_test_ids() -> set[str]:
+    lines = LONG_TESTS.read_text().splitlines()
     return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
 
 
@@ -164,15 +166,15 @@ def slow_test_ids() -> set[str]:
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: modules stay contiguous
-    slow = slow_test_ids()
+    long = long_test_ids()
     for item in items:
-        if item.nodeid in slow:
-            item.add_marker(pytest.mark.slow)
+        if item.nodeid in long:
+            item.add_marker(pytest.mark.long)
     # A whole-suite collection must find every listed test: a renamed one would silently turn fast.
     collected = {item.nodeid for item in items}
-    if len(collected) > 1000 and not config.option.keyword and (slow - collected):
-        raise pytest.UsageError(f"{SLOW_TESTS}: no such test(s) {sorted(slow - collected)[:3]}: run "
-                                "tools/slow_tests.py again")
+    if len(collected) > 1000 and not config.option.keyword and (long - collected):
+        raise pytest.UsageError(f"{LONG_TESTS}: no such test(s) {sorted(long - collected)[:3]}: run "
+                                "tools/long_tests.py again")
 
 
 def random_packed_batch(seed: int, size: int, vocab: int, prompt_len: int, completion_len: int, mini_batches: int):

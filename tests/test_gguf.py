@@ -629,7 +629,7 @@ def test_smollm2_chat_template_gives_transformers_ids(smollm2, smollm2_hf_tokeni
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_every_tensor_equals_transformers_gguf_loading(smollm2):
     """transformers' AutoModelForCausalLM.from_pretrained(dir, gguf_file=name) (its own dequantization and
     reverse_permute, in float32), rounded to bfloat16, is the imported checkpoint tensor for tensor."""
@@ -652,7 +652,7 @@ GENERATE_PROMPTS = ["What is the capital of France?", "Write a haiku about the s
 NEW_TOKENS = 24
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_generate_chat_equals_transformers_greedy(smollm2, tmp_path):
     """`grpo-jax generate --chat --temperature 0` on the imported model gives transformers' greedy continuation
     (generate(do_sample=False) on the same directory), token for token, both computing in float32 from the bfloat16
